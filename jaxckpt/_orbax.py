@@ -1,0 +1,160 @@
+"""The only module that talks to Orbax.
+
+jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt.tree`) and small JSON documents;
+everything about handlers, restore args and step directories stays in this file, so the Orbax
+API (v0 `CheckpointManager` today) can be swapped without touching the rest.
+
+One step on disk (Orbax writes it into `<step>.orbax-checkpoint-tmp` and renames it into place
+when every item is written, so a step directory exists only once committed):
+
+    <directory>/<step>/
+        state/                      the state tree: tensorstore OCDBT, one entry per leaf name
+        rng/                        PRNG keys as raw key data (only when rng= was given)
+        data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
+        jaxckpt/jaxckpt.json        leaf specs, user meta, versions: marks a jaxckpt step
+        _CHECKPOINT_METADATA, commit_success.txt   Orbax's own
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxckpt.tree import ReadRequest
+
+STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
+INFO_FILE = "jaxckpt.json"
+
+
+class _DataStateHandler(ocp.CheckpointHandler):
+    """Writes each process's data-iterator state to its own file.
+
+    The file naming matches grain's own Orbax handler (`process_<i>-of-<n>.json`).
+    """
+
+    def save(self, directory: epath.Path, args: DataSave) -> None:
+        self._path(directory).write_text(args.text)
+
+    def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
+        path = self._path(directory)
+        if not path.exists():
+            saved = sorted(p.name for p in directory.glob("process_*.json"))
+            raise FileNotFoundError(
+                f"no data-iterator state for this process ({path.name}); the step holds "
+                f"{saved}. It was saved with a different number of processes."
+            )
+        return path.read_text()
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    @staticmethod
+    def _path(directory: epath.Path) -> epath.Path:
+        return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
+@ocp.args.register_with_handler(_DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(ocp.args.CheckpointArgs):
+    text: str
+
+
+@ocp.args.register_with_handler(_DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+class OrbaxStore:
+    """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`."""
+
+    def __init__(self, directory: str | epath.PathLike, *, timeout_s: int):
+        self.directory = epath.Path(directory)
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True,
+            create=True,
+            # Leftovers of saves that never committed (a killed process) go at start-up.
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                STATE: ocp.PyTreeCheckpointHandler(),
+                RNG: ocp.PyTreeCheckpointHandler(),
+                DATA: _DataStateHandler(),
+                INFO: ocp.JsonCheckpointHandler(filename=INFO_FILE),
+            },
+        )
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
+        return sorted(s for s in self._mngr.all_steps(read=True) if (self._info_path(s)).exists())
+
+    def save(
+        self,
+        step: int,
+        *,
+        state: Mapping[str, Any],
+        rng: Mapping[str, Any],
+        data: str | None,
+        info: Mapping[str, Any],
+    ) -> None:
+        """Starts an async save; returns once device arrays are copied to host memory."""
+        args: dict[str, Any] = {INFO: ocp.args.JsonSave(dict(info))}
+        if state:
+            args[STATE] = ocp.args.PyTreeSave(dict(state))
+        if rng:
+            args[RNG] = ocp.args.PyTreeSave(dict(rng))
+        if data is not None:
+            args[DATA] = DataSave(data)
+        self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def wait(self) -> None:
+        """Blocks until the in-flight save commits; raises its background error, once."""
+        self._mngr.wait_until_finished()
+
+    def read_info(self, step: int) -> dict[str, Any]:
+        return self._mngr.restore(step, args=ocp.args.Composite(**{INFO: ocp.args.JsonRestore()}))[
+            INFO
+        ]
+
+    def read_arrays(
+        self, step: int, item: str, requests: Mapping[str, ReadRequest]
+    ) -> dict[str, Any]:
+        """Reads the named arrays of one item, each onto its sharding (or to the host)."""
+        if not requests:
+            return {}
+        restore_args = {name: _restore_args(r) for name, r in requests.items()}
+        restored = self._mngr.restore(
+            step,
+            args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(restore_args=restore_args)}),
+        )
+        return dict(restored[item])
+
+    def read_data_state(self, step: int) -> str:
+        return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
+
+    def delete(self, step: int) -> None:
+        self._mngr.delete(step)
+
+    def close(self) -> None:
+        self._mngr.close()
+
+    def _info_path(self, step: int) -> epath.Path:
+        return self.directory / str(step) / INFO / INFO_FILE
+
+
+def _restore_args(request: ReadRequest) -> ocp.RestoreArgs:
+    if request.sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=request.dtype)
+    return ocp.ArrayRestoreArgs(
+        sharding=request.sharding, global_shape=request.shape, dtype=request.dtype
+    )

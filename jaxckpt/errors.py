@@ -1,0 +1,84 @@
+"""Exceptions raised by jaxckpt.
+
+Every error says what is wrong, names the leaf path or step involved, shows both sides where
+there are two, and says how to fix it. Catch :class:`JaxckptError` to handle them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class JaxckptError(Exception):
+    """Base class of every error jaxckpt raises on purpose."""
+
+
+class ConfigError(JaxckptError, ValueError):
+    """An option or policy has an invalid value."""
+
+
+class NoCheckpointError(JaxckptError, FileNotFoundError):
+    """The directory holds no committed checkpoint."""
+
+
+class StepNotFoundError(JaxckptError, KeyError):
+    """The requested step is not a committed checkpoint in the directory."""
+
+    def __init__(self, step: int, available: Sequence[int], directory: str):
+        self.step = step
+        self.available = list(available)
+        super().__init__(
+            f"step {step} is not a committed checkpoint in {directory}; "
+            f"available steps: {_steps(self.available)}. "
+            "Pass one of them, or step=None for the latest."
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise.
+        return str(self.args[0])
+
+
+class StepExistsError(JaxckptError, FileExistsError):
+    """A checkpoint for this step already exists; jaxckpt never overwrites one."""
+
+
+class TreeMismatchError(JaxckptError, ValueError):
+    """The restore target's tree does not match the saved tree (missing or extra leaves)."""
+
+
+class LeafMismatchError(JaxckptError, ValueError):
+    """A leaf of the restore target differs from the saved leaf in shape or dtype."""
+
+
+class MissingShardingError(JaxckptError, ValueError):
+    """A restore-target leaf does not say where its data should land."""
+
+
+class UnsupportedValueError(JaxckptError, TypeError):
+    """A value cannot be checkpointed (a non-JSON `meta` value, an object leaf, ...)."""
+
+
+class DataStateError(JaxckptError, ValueError):
+    """The data-iterator state cannot be saved or restored."""
+
+
+class SaveError(JaxckptError, RuntimeError):
+    """A save failed in the background; raised at the next `save`, `wait` or `close`.
+
+    Steps committed before the failed one are intact. The failed step is not visible.
+    """
+
+    def __init__(self, step: int, cause: BaseException, committed: Sequence[int]):
+        self.step = step
+        super().__init__(
+            f"saving step {step} failed in the background: {type(cause).__name__}: {cause}. "
+            f"Step {step} was not committed; committed steps are intact: {_steps(committed)}."
+        )
+
+
+def _steps(steps: Sequence[int]) -> str:
+    steps = list(steps)
+    if not steps:
+        return "none"
+    if len(steps) > 12:
+        return ", ".join(map(str, steps[:5])) + ", ..., " + ", ".join(map(str, steps[-5:]))
+    return ", ".join(map(str, steps))

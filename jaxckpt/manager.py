@@ -1,0 +1,335 @@
+"""CheckpointManager: when to save, what to keep, and errors that surface.
+
+>>> import jax, jax.numpy as jnp, tempfile
+>>> with CheckpointManager(tempfile.mkdtemp(), policy=SavePolicy(every_steps=10)) as mngr:
+...     for step in range(1, 21):
+...         if mngr.should_save(step):
+...             mngr.save(step, state={"w": jnp.ones(3)}, rng=jax.random.key(step))
+...     restored = mngr.restore(state={"w": jax.ShapeDtypeStruct((3,), jnp.float32,
+...                             sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))})
+>>> restored.step, restored.state["w"].tolist()
+(20, [1.0, 1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import operator
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxckpt import _orbax
+from jaxckpt.errors import (
+    ConfigError,
+    DataStateError,
+    NoCheckpointError,
+    SaveError,
+    StepExistsError,
+    StepNotFoundError,
+    TreeMismatchError,
+)
+from jaxckpt.policy import RetentionPolicy, SavePolicy
+from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
+
+log = logging.getLogger("jaxckpt")
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `CheckpointManager.restore` returns.
+
+    Attributes:
+      step: the step restored.
+      state: the state tree: the target's structure and shardings, or nested dicts/lists of
+        host NumPy arrays when restored without a target.
+      rng: the PRNG keys saved with `rng=` (same dtype and impl), or None.
+      meta: the JSON `meta=` saved with the step, or None.
+      data: the data iterator passed to `restore`, now at the saved position, or None.
+    """
+
+    step: int
+    state: Any
+    rng: Any
+    meta: Any
+    data: Any
+
+
+class CheckpointManager:
+    """Saves and restores a whole training state asynchronously, one folder per step.
+
+    Args:
+      directory: where the steps live; created if missing.
+      policy: when `should_save(step)` is true.
+      retention: which committed steps to keep; the others are deleted after each commit.
+      clock: seconds as a float, for the time-based policy (injected in tests).
+      timeout_s: how long a background save may take, barriers between processes included.
+
+    Every process of a multi-process job creates the manager and calls each method with the
+    same arguments; each process writes only the shards it holds.
+    """
+
+    def __init__(
+        self,
+        directory: str | epath.PathLike,
+        *,
+        policy: SavePolicy = SavePolicy(),
+        retention: RetentionPolicy = RetentionPolicy(),
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: int = 1200,
+    ):
+        if not isinstance(policy, SavePolicy):
+            raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
+        if not isinstance(retention, RetentionPolicy):
+            raise ConfigError(f"retention must be a jaxckpt.RetentionPolicy, got {retention!r}")
+        self._store = _orbax.OrbaxStore(directory, timeout_s=timeout_s)
+        self._policy = policy
+        self._retention = retention
+        self._clock = clock
+        self._last_save_time = clock()
+        self._last_saved_step: int | None = None
+        self._in_flight: int | None = None
+        self._closed = False
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._store.directory
+
+    # ---------------------------------------------------------------------------- queries
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, oldest first. A step still being written is not listed."""
+        return self._store.committed_steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True when the save policy says `step` should be saved. Reads no files."""
+        step = _check_step(step)
+        if step == self._last_saved_step:
+            return False
+        due = self._policy.due(
+            step=step, seconds_since_last_save=self._clock() - self._last_save_time
+        )
+        if self._policy.every_seconds is not None and jax.process_count() > 1:
+            # Clocks differ between hosts: process 0 decides, so all save the same step.
+            due = bool(multihost_utils.broadcast_one_to_all(np.bool_(due)))
+        return due
+
+    # ---------------------------------------------------------------------------- save
+
+    def save(self, step: int, *, state: Any, rng: Any = None, data: Any = None, meta: Any = None):
+        """Starts saving `step` and returns once the arrays are copied off the devices.
+
+        The write continues in the background; the step becomes visible to `all_steps()` and
+        `restore()` only when committed. An error in the background is raised by the next
+        `save`, `wait` or `close`. Bad input is rejected here, before anything is written.
+
+        Args:
+          step: the training step; must not exist yet.
+          state: any pytree of jax.Array / NumPy arrays / scalars (NNX State, TrainState,
+            optax states, ...).
+          rng: PRNG keys: typed (`jax.random.key`, any impl) or raw uint32, any pytree.
+          data: an iterator with `get_state()` / `set_state()` (e.g. grain); each process
+            saves its own state.
+          meta: JSON-serialisable run metadata (config, metrics, ...).
+        """
+        self._check_open()
+        step = _check_step(step)
+        if meta is not None:
+            check_json(meta)
+        state_arrays, state_specs = flatten(state, item="state")
+        rng_arrays, rng_specs = flatten(rng, item="rng")
+        data_text, data_kind = _data_state(data)
+
+        self._finish_pending()
+        if step in self._store.committed_steps():
+            raise StepExistsError(
+                f"step {step} already exists in {self.directory}; jaxckpt never overwrites a "
+                "committed step. Save under a new step number, or delete the old step first."
+            )
+        info = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(),
+            "versions": {"jax": jax.__version__},
+            "process_count": jax.process_count(),
+            "items": {
+                _orbax.STATE: [s.to_json() for s in state_specs],
+                _orbax.RNG: [s.to_json() for s in rng_specs],
+            },
+            "data": data_kind,
+            "meta": meta,
+        }
+        self._store.save(step, state=state_arrays, rng=rng_arrays, data=data_text, info=info)
+        self._in_flight = step
+        self._last_saved_step = step
+        self._last_save_time = self._clock()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed; raises `SaveError` if it failed."""
+        self._check_open()
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Waits for the save in flight, applies retention and releases resources."""
+        if self._closed:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            self._store.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------- restore
+
+    def restore(
+        self, step: int | None = None, *, state: Any = None, rng: Any = None, data: Any = None
+    ) -> Restored:
+        """Restores a committed step (`step=None`: the latest committed one).
+
+        Args:
+          step: the step to restore, or None for the latest committed step.
+          state: the target: a pytree like the saved state whose leaves are
+            `jax.ShapeDtypeStruct` with a sharding, live `jax.Array`s (their sharding is
+            used), NumPy arrays (restored on the host) or Python scalars. Its shardings decide
+            where the data lands. None restores the saved tree as host NumPy arrays.
+          rng: a target for the PRNG keys, like `state`. None puts them replicated on the
+            devices of the state target (on the host when there is no state target).
+          data: an iterator with `set_state`; it is moved to the saved position in place,
+            after everything else was read successfully.
+        """
+        self._check_open()
+        steps = self._store.committed_steps()
+        if step is None:
+            if not steps:
+                raise NoCheckpointError(
+                    f"no committed checkpoint in {self.directory}; nothing to restore. "
+                    "Check the path, or start from scratch when latest_step() is None."
+                )
+            step = steps[-1]
+            log.info("restoring the latest committed step %d from %s", step, self.directory)
+        elif _check_step(step) not in steps:
+            raise StepNotFoundError(step, steps, str(self.directory))
+
+        info = self._store.read_info(step)
+        items = info["items"]
+        state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
+        rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
+        restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None)
+        restored_rng = None
+        if rng_specs:
+            restored_rng = self._read_tree(step, _orbax.RNG, rng_specs, rng, _replicated(state))
+        elif rng is not None:
+            raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
+        if data is not None:
+            _restore_data(data, step, info.get("data"), self._store)
+        return Restored(
+            step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=data
+        )
+
+    def _read_tree(self, step, item, specs, target, default_sharding) -> Any:
+        if target is None:
+            arrays = self._store.read_arrays(step, item, uniform_requests(specs, default_sharding))
+            return nest(specs, arrays)
+        requests, rebuild = plan_restore(target, specs, item=item, step=step)
+        return rebuild(self._store.read_arrays(step, item, requests))
+
+    # ---------------------------------------------------------------------------- internals
+
+    def _finish_pending(self) -> None:
+        """Waits for the save in flight, turns its failure into SaveError, applies retention."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._store.wait()
+        except Exception as e:
+            raise SaveError(step, e, self._store.committed_steps()) from e
+        for old in self._retention.steps_to_delete(self._store.committed_steps()):
+            log.info("retention: deleting step %d from %s", old, self.directory)
+            self._store.delete(old)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed; create a new one")
+
+
+def _check_step(step: Any) -> int:
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"step must be an int, got {type(step).__name__} {step!r}") from None
+    if isinstance(step, bool) or value < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    return value
+
+
+def _data_state(data: Any) -> tuple[str | None, str | None]:
+    """Snapshots the iterator's state now, as text to store and its kind."""
+    if data is None:
+        return None, None
+    if not callable(getattr(data, "get_state", None)):
+        raise DataStateError(
+            f"data= takes an iterator with get_state() and set_state() (e.g. a grain "
+            f"DatasetIterator); got a {type(data).__name__}"
+        )
+    state = data.get_state()
+    if isinstance(state, bytes):  # grain's DataLoaderIterator: JSON text as bytes
+        try:
+            return state.decode("utf-8"), "bytes"
+        except UnicodeDecodeError:
+            raise DataStateError(
+                "data.get_state() returned bytes that are not UTF-8 text; jaxckpt stores "
+                "iterator states as text (JSON or UTF-8 bytes)"
+            ) from None
+    check_json(state, "data.get_state()")
+    return json.dumps(state), "json"
+
+
+def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxStore) -> None:
+    if not callable(getattr(data, "set_state", None)):
+        raise DataStateError(
+            f"data= takes an iterator with set_state(); got a {type(data).__name__}"
+        )
+    if kind is None:
+        raise DataStateError(
+            f"step {step} holds no data-iterator state (it was saved without data=); "
+            "restore without data= or from a step saved with it"
+        )
+    try:
+        text = store.read_data_state(step)
+    except FileNotFoundError as e:
+        raise DataStateError(f"step {step}: {e}") from None
+    data.set_state(json.loads(text) if kind == "json" else text.encode("utf-8"))
+
+
+def _replicated(target: Any) -> jax.sharding.Sharding | None:
+    """Full replication over the target's mesh (or its one device); None: on the host."""
+    shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(target)]
+    for sharding in shardings:
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    for sharding in shardings:
+        if sharding is not None and len(sharding.device_set) == 1:
+            return sharding
+    return None

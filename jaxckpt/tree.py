@@ -1,0 +1,372 @@
+"""How a pytree becomes named arrays on disk, and how a restore target maps back onto them.
+
+A saved tree is flattened with `jax.tree_util` into a flat mapping `{name: array}`, where
+`name` joins the leaf's key path with dots (`params.layers.0.kernel.value`). Next to the
+arrays, each checkpoint records a :class:`LeafSpec` per leaf (path, shape, dtype, kind). This
+keeps Orbax's view of the tree flat and simple, and puts every tree concern here:
+
+* Restoring *with* a target unflattens with the target's own treedef, so any pytree node type
+  (Flax NNX `State`, Linen `TrainState`, optax NamedTuples, empty nodes) comes back as itself.
+* Restoring *without* a target rebuilds nested dicts and lists from the recorded paths.
+* Missing/extra leaves and shape/dtype differences are found by comparing names and specs,
+  and reported by path before a single array byte is read.
+* Typed PRNG keys are stored as their raw key data plus the impl name, and are wrapped back
+  with the same impl on restore, so they round-trip bitwise with any impl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxckpt.errors import (
+    LeafMismatchError,
+    MissingShardingError,
+    TreeMismatchError,
+    UnsupportedValueError,
+)
+
+# Leaf kinds as recorded on disk.
+ARRAY = "array"  # jax.Array, NumPy array or NumPy scalar
+KEY = "key"  # typed PRNG key array, stored as its key data
+PYTHON = "python"  # Python bool/int/float, stored as a 0-d array
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """What one saved leaf is: enough to validate a target and rebuild the tree."""
+
+    name: str
+    path: tuple[tuple[str, Any], ...]  # ((entry kind, key), ...) with kind dict|seq|attr|index
+    shape: tuple[int, ...]
+    dtype: str  # NumPy dtype name, or the key dtype (e.g. "key<fry>") for KEY leaves
+    kind: str = ARRAY
+    key_impl: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The leaf path as `jax.tree_util.keystr` writes it: `['params']['w']`."""
+        return _display(self.path)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["path"] = [list(e) for e in self.path]
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeafSpec:
+        return cls(
+            name=d["name"],
+            path=tuple((kind, key) for kind, key in d["path"]),
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            kind=d.get("kind", ARRAY),
+            key_impl=d.get("key_impl"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """How to read one stored array: its stored shape/dtype and where it should land."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None  # None: a host NumPy array
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+
+
+def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
+    """Flattens `tree` into `{name: array}` ready to write, plus the specs to record.
+
+    NumPy leaves are copied, so the caller may mutate its arrays as soon as `save` returns.
+    """
+    arrays: dict[str, Any] = {}
+    specs: list[LeafSpec] = []
+    seen: dict[str, str] = {}
+    for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
+        entries = _entries(path)
+        name = _name(entries)
+        if name in seen:
+            raise UnsupportedValueError(
+                f"{item} leaves {seen[name]} and {_display(entries)} both map to the stored name "
+                f"{name!r}; rename one of the keys (stored names join the path with '.')."
+            )
+        seen[name] = _display(entries)
+        arrays[name], spec = _encode(leaf, name, entries, item)
+        specs.append(spec)
+    return arrays, specs
+
+
+def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafSpec]:
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(leaf))
+            spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl)
+            return jax.random.key_data(leaf), spec
+        return leaf, LeafSpec(name, entries, leaf.shape, np.dtype(leaf.dtype).name)
+    if isinstance(leaf, bool | int | float):  # Python scalars, bool included
+        value = np.asarray(leaf)
+        return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
+    if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype != object:
+        value = np.array(leaf, copy=True)
+        return value, LeafSpec(name, entries, value.shape, value.dtype.name)
+    raise UnsupportedValueError(
+        f"{item} leaf {_display(entries)} is a {type(leaf).__module__}.{type(leaf).__qualname__}, "
+        "which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays or Python/NumPy "
+        "scalars. Put other values in meta= (JSON), or make them static pytree fields."
+    )
+
+
+def check_json(value: Any, path: str = "meta") -> None:
+    """Raises UnsupportedValueError naming the first value that is not strict JSON."""
+    if value is None or isinstance(value, str | bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnsupportedValueError(
+                f"{path} is {value!r}, which JSON cannot represent; store it as a string or None."
+            )
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise UnsupportedValueError(
+                    f"{path} has the key {k!r} of type {type(k).__name__}; JSON object keys "
+                    "must be strings. Convert the key with str()."
+                )
+            check_json(v, f"{path}[{k!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_json(v, f"{path}[{i}]")
+        return
+    raise UnsupportedValueError(
+        f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
+        "which is not JSON. meta= takes dicts with string keys, lists, strings, finite numbers, "
+        "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
+        "str() for a path, or keep arrays in state=)."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Restoring
+
+
+def plan_restore(
+    target: Any, saved: Sequence[LeafSpec], *, item: str, step: int
+) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
+    """Checks `target` against the saved specs and says what to read and how to rebuild.
+
+    Returns the read requests by stored name and a function that turns the arrays read into
+    a tree with the target's structure and leaf types.
+    """
+    pairs, treedef = tree_util.tree_flatten_with_path(target)
+    by_name = {s.name: s for s in saved}
+    target_leaves: dict[str, tuple[tuple, Any]] = {}
+    for path, leaf in pairs:
+        entries = _entries(path)
+        target_leaves[_name(entries)] = (entries, leaf)
+
+    missing = [_display(e) for n, (e, _) in target_leaves.items() if n not in by_name]
+    extra = [s.display for s in saved if s.name not in target_leaves]
+    if missing or extra:
+        lines = [f"the {item} target does not match the {item} saved at step {step}:"]
+        if missing:
+            lines.append(f"  in the target but not in the checkpoint: {_listing(missing)}")
+        if extra:
+            lines.append(f"  in the checkpoint but not in the target: {_listing(extra)}")
+        lines.append(
+            "Build the target from the same model and optimizer definition that was saved "
+            "(e.g. jax.eval_shape of the init function)."
+        )
+        raise TreeMismatchError("\n".join(lines))
+
+    mismatches, unsharded = [], []
+    requests: dict[str, ReadRequest] = {}
+    for name, (_, leaf) in target_leaves.items():
+        spec = by_name[name]
+        problem = _compare(leaf, spec)
+        if problem:
+            mismatches.append(f"  leaf {spec.display}: {problem}")
+            continue
+        sharding = _target_sharding(leaf)
+        if sharding is _MISSING:
+            unsharded.append(spec.display)
+            continue
+        requests[name] = ReadRequest(_stored_shape(spec), _stored_dtype(spec), sharding)
+    if mismatches:
+        raise LeafMismatchError(
+            f"the {item} target differs from the {item} saved at step {step}:\n"
+            + "\n".join(mismatches)
+            + "\nRestore into a target with the saved shapes and dtypes, and cast afterwards."
+        )
+    if unsharded:
+        raise MissingShardingError(
+            f"{item} target leaves have no sharding, so jaxckpt cannot tell where to put them: "
+            f"{_listing(unsharded)}. Give each jax.ShapeDtypeStruct a sharding "
+            "(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))), pass a "
+            "live jax.Array, or pass NumPy arrays to restore on the host."
+        )
+
+    def rebuild(arrays: Mapping[str, Any]) -> Any:
+        leaves = [
+            _decode(arrays[name], by_name[name], leaf) for name, (_, leaf) in target_leaves.items()
+        ]
+        return tree_util.tree_unflatten(treedef, leaves)
+
+    return requests, rebuild
+
+
+def uniform_requests(
+    saved: Sequence[LeafSpec], sharding: jax.sharding.Sharding | None
+) -> dict[str, ReadRequest]:
+    """Read requests that put every saved leaf on `sharding` (None: NumPy on the host)."""
+    return {s.name: ReadRequest(_stored_shape(s), _stored_dtype(s), sharding) for s in saved}
+
+
+def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
+    """Rebuilds nested dicts/lists from the recorded paths (restore without a target)."""
+    if len(saved) == 1 and not saved[0].path:
+        return _decode(arrays[saved[0].name], saved[0], None)
+    root: dict = {}
+    sequences: set[int] = set()
+    for spec in saved:
+        node = root
+        for depth, (kind, key) in enumerate(spec.path):
+            if kind == "seq":
+                sequences.add(id(node))
+            if depth == len(spec.path) - 1:
+                node[key] = _decode(arrays[spec.name], spec, None)
+            else:
+                node = node.setdefault(key, {})
+
+    def finish(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if id(node) in sequences:
+            return [finish(node[k]) for k in sorted(node)]
+        return {k: finish(v) for k, v in node.items()}
+
+    return finish(root)
+
+
+_MISSING = object()
+
+
+def _target_sharding(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+        sharding = getattr(leaf, "sharding", None)
+        return _MISSING if sharding is None else sharding
+    return None  # NumPy arrays and Python scalars are restored on the host
+
+
+def _compare(leaf: Any, spec: LeafSpec) -> str | None:
+    """Says how a target leaf differs from the saved one, or None if it matches."""
+    if isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic):
+        saved_kind = np.dtype(spec.dtype).kind if spec.kind != KEY else "key"
+        want = {bool: "b", int: "iu", float: "f"}[type(leaf)]
+        if spec.shape != () or saved_kind not in want:
+            return (
+                f"a Python {type(leaf).__name__} in the target but "
+                f"{_describe(spec.shape, spec.dtype)} in the checkpoint"
+            )
+        return None
+    shape = tuple(getattr(leaf, "shape", ()))
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return (
+            f"the target leaf is a {type(leaf).__name__}; use jax.ShapeDtypeStruct, jax.Array, "
+            "NumPy arrays or Python scalars as target leaves"
+        )
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        dtype_name = str(dtype)
+    else:
+        dtype_name = np.dtype(dtype).name
+    if shape != spec.shape or dtype_name != spec.dtype:
+        return (
+            f"{_describe(shape, dtype_name)} in the target but "
+            f"{_describe(spec.shape, spec.dtype)} in the checkpoint"
+        )
+    return None
+
+
+def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
+    if spec.kind == KEY:
+        return jax.random.wrap_key_data(value, impl=spec.key_impl)
+    if target_leaf is not None:
+        if isinstance(target_leaf, bool | int | float) and not isinstance(target_leaf, np.generic):
+            return type(target_leaf)(np.asarray(value).item())
+        if isinstance(target_leaf, np.generic):
+            return np.asarray(value)[()]
+        return value
+    if spec.kind == PYTHON:
+        return np.asarray(value).item()
+    return value
+
+
+def _stored_shape(spec: LeafSpec) -> tuple[int, ...]:
+    if spec.kind == KEY:  # key data adds the impl's trailing dimensions, e.g. (2,)
+        one = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=spec.key_impl)))
+        return (*spec.shape, *one.shape)
+    return spec.shape
+
+
+def _stored_dtype(spec: LeafSpec) -> np.dtype:
+    return np.dtype(np.uint32) if spec.kind == KEY else np.dtype(spec.dtype)
+
+
+def _entries(path: tuple) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for e in path:
+        if isinstance(e, tree_util.DictKey):
+            key = e.key if isinstance(e.key, str | int) else str(e.key)
+            out.append(("dict", key))
+        elif isinstance(e, tree_util.SequenceKey):
+            out.append(("seq", e.idx))
+        elif isinstance(e, tree_util.GetAttrKey):
+            out.append(("attr", e.name))
+        elif isinstance(e, tree_util.FlattenedIndexKey):
+            out.append(("index", e.key))
+        else:  # A custom key type: keep its text form.
+            out.append(("dict", str(e)))
+    return tuple(out)
+
+
+def _name(entries: tuple[tuple[str, Any], ...]) -> str:
+    return ".".join(str(key) for _, key in entries) or "_"
+
+
+def _display(entries: Sequence[tuple[str, Any]]) -> str:
+    parts = []
+    for kind, key in entries:
+        if kind == "attr":
+            parts.append(f".{key}")
+        elif kind == "dict":
+            parts.append(f"[{key!r}]")
+        else:
+            parts.append(f"[{key}]")
+    return "".join(parts) or "<root>"
+
+
+def _describe(shape: Sequence[int], dtype: str) -> str:
+    return f"shape {tuple(shape)} dtype {dtype}"
+
+
+def _listing(paths: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f" (and {len(paths) - limit} more)" if len(paths) > limit else "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
