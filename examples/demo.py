@@ -23,13 +23,17 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
+CONFIG = REPO / "configs" / "demo.yaml"
 
 
 def run_train(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
     """Runs examples/train.py in a fresh process; returns it and its wall time."""
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, str(TRAIN), *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(TRAIN), f"--config={CONFIG}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     return proc, time.perf_counter() - t0
 

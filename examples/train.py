@@ -5,7 +5,7 @@ schedule, a shuffled grain pipeline, a (data, model) mesh; jaxckpt saves the mod
 optimizer state, the loop's PRNG key, the grain iterator position and run metadata
 asynchronously, and a restarted process resumes from the latest committed step exactly.
 
-    python examples/train.py --steps 40 --ckpt-dir /tmp/run --save-every 10
+    python examples/train.py --config configs/demo.yaml --steps 40 --ckpt-dir /tmp/run
     python examples/train.py --steps 40 --ckpt-dir /tmp/run --stop-at 20   # stop after 20
     python examples/train.py --steps 40 --ckpt-dir /tmp/run                # resumes at 20
 
@@ -34,6 +34,7 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -206,6 +207,7 @@ def to_host(tree) -> dict[str, np.ndarray]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, help="YAML file of Config fields (configs/*.yaml)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (omit: no checkpoints)")
     parser.add_argument("--save-every", type=int, default=10)
@@ -213,13 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kill", action="store_true", help="with --stop-at: SIGKILL ourselves, no clean shutdown"
     )
-    parser.add_argument("--mesh", default="4x2", help="data x model mesh shape, e.g. 4x2")
+    parser.add_argument("--mesh", help="data x model mesh shape, e.g. 4x2 (overrides the config)")
     parser.add_argument("--log", type=Path, help="append per-step losses here (JSON lines)")
     parser.add_argument("--final", type=Path, help="write the final state here (.npz)")
     args = parser.parse_args(argv)
 
-    mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
-    cfg = Config(total_steps=args.steps, mesh_shape=mesh_shape)
+    fields = yaml.safe_load(args.config.read_text()) if args.config else {}
+    fields["total_steps"] = args.steps
+    if args.mesh:
+        fields["mesh_shape"] = args.mesh.split("x")
+    fields["mesh_shape"] = tuple(int(n) for n in fields.get("mesh_shape", Config.mesh_shape))
+    cfg = Config(**fields)
     mesh = make_mesh(cfg.mesh_shape)
     model, optimizer, shardings = create_train_state(cfg, mesh)
     train_step = make_train_step(shardings)
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             nnx.update(model, restored.state["model"])
             nnx.update(optimizer, restored.state["opt"])
             key, start = restored.rng, restored.step
-            print(f"resumed from step {start} (mesh {args.mesh})", flush=True)
+            print(f"resumed from step {start} (mesh {cfg.mesh_shape})", flush=True)
 
     log = args.log.open("a") if args.log else None
     for step in range(start + 1, cfg.total_steps + 1):

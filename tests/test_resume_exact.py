@@ -14,12 +14,14 @@ def test_stop_and_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_python(
         "examples/train.py",
+        "--config=configs/demo.yaml",
         "--steps=40",
         f"--log={tmp_path / 'ref.jsonl'}",
         f"--final={tmp_path / 'ref.npz'}",
     )
     first = run_python(
         "examples/train.py",
+        "--config=configs/demo.yaml",
         "--steps=40",
         f"--ckpt-dir={ckpt}",
         "--save-every=20",
@@ -29,6 +31,7 @@ def test_stop_and_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     assert "stopped after step 20" in first.stdout
     second = run_python(
         "examples/train.py",
+        "--config=configs/demo.yaml",
         "--steps=40",
         f"--ckpt-dir={ckpt}",
         "--save-every=20",
