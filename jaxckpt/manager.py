@@ -207,6 +207,9 @@ class CheckpointManager:
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
+        A save of this manager still in flight is waited for first (and its failure raised),
+        so a process always sees its own saves.
+
         Args:
           step: the step to restore, or None for the latest committed step.
           state: the target: a pytree like the saved state whose leaves are
@@ -219,6 +222,7 @@ class CheckpointManager:
             after everything else was read successfully.
         """
         self._check_open()
+        self._finish_pending()
         steps = self._store.committed_steps()
         if step is None:
             if not steps:
