@@ -35,24 +35,23 @@ WRITER = textwrap.dedent(
     import jax.numpy as jnp
     import jaxckpt
 
-    directory, mode = sys.argv[1], sys.argv[2]
+    directory, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     m = jaxckpt.CheckpointManager(directory)
     start = (m.latest_step() or 0) + 1
     for step in range(start, start + 1000):
-        m.save(step, state={"x": jnp.arange(%d, dtype=jnp.float32) + step}, meta={"step": step})
+        m.save(step, state={"x": jnp.arange(n, dtype=jnp.float32) + step}, meta={"step": step})
         if mode == "freeze" and step == start + 1:
             os.kill(os.getpid(), signal.SIGSTOP)   # frozen mid-save: the parent kills us
         if mode == "freeze":
             m.wait()
         print(step, flush=True)
     """
-    % N
 )
 
 
 def start_writer(directory, mode):
     return subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(directory), mode],
+        [sys.executable, "-c", WRITER, str(directory), mode, str(N)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
