@@ -96,7 +96,12 @@ class OrbaxStore:
 
     def committed_steps(self) -> list[int]:
         """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
-        return sorted(s for s in self._mngr.all_steps(read=True) if (self._info_path(s)).exists())
+        self._mngr.reload()  # re-read the directory: another process may have written
+        return sorted(s for s in self._mngr.all_steps() if self._info_path(s).exists())
+
+    def step_folder_exists(self, step: int) -> bool:
+        """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
+        return (self.directory / str(step)).exists()
 
     def save(
         self,
@@ -109,10 +114,11 @@ class OrbaxStore:
     ) -> None:
         """Starts an async save; returns once device arrays are copied to host memory."""
         args: dict[str, Any] = {INFO: ocp.args.JsonSave(dict(info))}
-        if state:
-            args[STATE] = ocp.args.PyTreeSave(dict(state))
-        if rng:
-            args[RNG] = ocp.args.PyTreeSave(dict(rng))
+        for item, arrays in ((STATE, state), (RNG, rng)):
+            # Orbax refuses zero-size arrays; their specs are enough to remake them.
+            arrays = {name: a for name, a in arrays.items() if a.size}
+            if arrays:
+                args[item] = ocp.args.PyTreeSave(arrays)
         if data is not None:
             args[DATA] = DataSave(data)
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
@@ -130,14 +136,17 @@ class OrbaxStore:
         self, step: int, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
         """Reads the named arrays of one item, each onto its sharding (or to the host)."""
-        if not requests:
-            return {}
-        restore_args = {name: _restore_args(r) for name, r in requests.items()}
-        restored = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(restore_args=restore_args)}),
-        )
-        return dict(restored[item])
+        out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
+        restore_args = {name: _restore_args(r) for name, r in requests.items() if name not in out}
+        if restore_args:
+            restored = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{item: ocp.args.PyTreeRestore(restore_args=restore_args)}
+                ),
+            )
+            out.update(restored[item])
+        return out
 
     def read_data_state(self, step: int) -> str:
         return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
@@ -150,6 +159,14 @@ class OrbaxStore:
 
     def _info_path(self, step: int) -> epath.Path:
         return self.directory / str(step) / INFO / INFO_FILE
+
+
+def _empty(request: ReadRequest) -> Any:
+    """A zero-size array (never written, see `save`) where the request wants it."""
+    host = np.zeros(request.shape, request.dtype)
+    if request.sharding is None:
+        return host
+    return jax.make_array_from_callback(request.shape, request.sharding, lambda index: host[index])
 
 
 def _restore_args(request: ReadRequest) -> ocp.RestoreArgs:

@@ -62,15 +62,17 @@ class DataStateError(JaxckptError, ValueError):
 
 
 class SaveError(JaxckptError, RuntimeError):
-    """A save failed in the background; raised at the next `save`, `wait` or `close`.
-
-    Steps committed before the failed one are intact. The failed step is not visible.
+    """A save failed: at once, or in the background (then raised by the next `save`, `wait`
+    or `close`). Steps committed before it are intact; the failed step is not visible.
     """
 
-    def __init__(self, step: int, cause: BaseException, committed: Sequence[int]):
+    def __init__(
+        self, step: int, cause: BaseException, committed: Sequence[int], *, background: bool = True
+    ):
         self.step = step
+        when = " in the background" if background else ""
         super().__init__(
-            f"saving step {step} failed in the background: {type(cause).__name__}: {cause}. "
+            f"saving step {step} failed{when}: {type(cause).__name__}: {cause}. "
             f"Step {step} was not committed; committed steps are intact: {_steps(committed)}."
         )
 

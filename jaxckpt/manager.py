@@ -161,6 +161,12 @@ class CheckpointManager:
                 f"step {step} already exists in {self.directory}; jaxckpt never overwrites a "
                 "committed step. Save under a new step number, or delete the old step first."
             )
+        if self._store.step_folder_exists(step):
+            raise StepExistsError(
+                f"the folder for step {step} ({self.directory / str(step)}) exists but was not "
+                "written by jaxckpt, which never touches folders it did not write. Move it "
+                "away or save under another step."
+            )
         info = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -174,7 +180,10 @@ class CheckpointManager:
             "data": data_kind,
             "meta": meta,
         }
-        self._store.save(step, state=state_arrays, rng=rng_arrays, data=data_text, info=info)
+        try:
+            self._store.save(step, state=state_arrays, rng=rng_arrays, data=data_text, info=info)
+        except Exception as e:
+            raise SaveError(step, e, self._store.committed_steps(), background=False) from e
         self._in_flight = step
         self._last_saved_step = step
         self._last_save_time = self._clock()

@@ -114,16 +114,18 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl)
             return jax.random.key_data(leaf), spec
         return leaf, LeafSpec(name, entries, leaf.shape, np.dtype(leaf.dtype).name)
-    if isinstance(leaf, bool | int | float):  # Python scalars, bool included
+    if _is_python_scalar(leaf):
         value = np.asarray(leaf)
-        return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
-    if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype != object:
+        if value.dtype != object:  # e.g. 2**70 fits no integer dtype
+            return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
+    elif isinstance(leaf, np.ndarray | np.generic) and leaf.dtype != object:
         value = np.array(leaf, copy=True)
         return value, LeafSpec(name, entries, value.shape, value.dtype.name)
     raise UnsupportedValueError(
-        f"{item} leaf {_display(entries)} is a {type(leaf).__module__}.{type(leaf).__qualname__}, "
-        "which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays or Python/NumPy "
-        "scalars. Put other values in meta= (JSON), or make them static pytree fields."
+        f"{item} leaf {_display(entries)} is a {type(leaf).__module__}.{type(leaf).__qualname__} "
+        f"({_short(leaf)}), which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays "
+        "of a numeric dtype or Python/NumPy scalars that fit one. Put other values in meta= "
+        "(JSON), or make them static pytree fields."
     )
 
 
@@ -270,9 +272,14 @@ def _target_sharding(leaf: Any) -> Any:
     return None  # NumPy arrays and Python scalars are restored on the host
 
 
+def _is_python_scalar(leaf: Any) -> bool:
+    # np.float64 subclasses float: it is a NumPy scalar, not a Python one.
+    return isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic)
+
+
 def _compare(leaf: Any, spec: LeafSpec) -> str | None:
     """Says how a target leaf differs from the saved one, or None if it matches."""
-    if isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic):
+    if _is_python_scalar(leaf):
         saved_kind = np.dtype(spec.dtype).kind if spec.kind != KEY else "key"
         want = {bool: "b", int: "iu", float: "f"}[type(leaf)]
         if spec.shape != () or saved_kind not in want:
@@ -304,7 +311,7 @@ def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
     if spec.kind == KEY:
         return jax.random.wrap_key_data(value, impl=spec.key_impl)
     if target_leaf is not None:
-        if isinstance(target_leaf, bool | int | float) and not isinstance(target_leaf, np.generic):
+        if _is_python_scalar(target_leaf):
             return type(target_leaf)(np.asarray(value).item())
         if isinstance(target_leaf, np.generic):
             return np.asarray(value)[()]

@@ -26,9 +26,7 @@ STATE = {"x": np.arange(4, dtype=np.float32)}
 
 def test_every_steps(ckpt_dir):
     clock = FakeClock()
-    with jaxckpt.CheckpointManager(
-        ckpt_dir, policy=SavePolicy(every_steps=5), clock=clock
-    ) as m:
+    with jaxckpt.CheckpointManager(ckpt_dir, policy=SavePolicy(every_steps=5), clock=clock) as m:
         due = [step for step in range(1, 23) if m.should_save(step)]
         assert due == [5, 10, 15, 20]
         clock.now += 1e9  # time alone never makes a step-only policy due
@@ -52,9 +50,7 @@ def test_every_steps_does_not_save_the_step_just_saved_twice(ckpt_dir):
 
 def test_every_seconds_with_a_fake_clock(ckpt_dir):
     clock = FakeClock(500.0)
-    with jaxckpt.CheckpointManager(
-        ckpt_dir, policy=SavePolicy(every_seconds=60), clock=clock
-    ) as m:
+    with jaxckpt.CheckpointManager(ckpt_dir, policy=SavePolicy(every_seconds=60), clock=clock) as m:
         # Counted from the manager's creation.
         assert not m.should_save(1)
         clock.now = 559.9

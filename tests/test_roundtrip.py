@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -148,20 +147,39 @@ def sharded_leaves(tree):
 # ------------------------------------------------------------------------------- state
 
 
+def zeros_like(tree):
+    """A live target of zeros with the same leaf types, shapes, dtypes and shardings."""
+
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
+        if isinstance(x, np.ndarray):
+            return np.zeros_like(x)
+        return type(x)(0)  # Python and NumPy scalars
+
+    return jax.tree.map(leaf, tree)
+
+
 def test_state_roundtrip_into_live_arrays(mesh, ckpt_dir):
     state = make_state(mesh)
+    target = zeros_like(state)
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(5, state=state)
         m.wait()
-        restored = m.restore(state=state)
+        restored = m.restore(state=target)
     assert restored.step == 5
     assert restored.rng is None and restored.meta is None and restored.data is None
     assert_tree_bitwise(restored.state, state)
-    for got, want in zip(sharded_leaves(restored.state), sharded_leaves(state), strict=True):
+    for got, want in zip(sharded_leaves(restored.state), sharded_leaves(target), strict=True):
         assert isinstance(got, jax.Array)
         assert got.sharding == want.sharding
+    assert restored.state["params"]["w"].sharding == NamedSharding(mesh, P("data", "model"))
     assert type(restored.state["host"][0]) is np.ndarray
     assert type(restored.state["scalars"][0]) is np.float32
+    assert type(restored.state["python"]["flag"]) is bool
+    # The target itself is left untouched.
+    assert not np.asarray(target["params"]["w"]).any()
+    assert target["python"]["step"] == 0
 
 
 def test_state_roundtrip_into_shape_dtype_structs_on_new_layouts(mesh, ckpt_dir):
@@ -181,6 +199,26 @@ def test_state_roundtrip_into_shape_dtype_structs_on_new_layouts(mesh, ckpt_dir)
             np.testing.assert_array_equal(
                 np.asarray(shard.data), np.asarray(state["params"][name])[shard.index]
             )
+
+
+def test_state_roundtrip_onto_another_mesh_with_explicit_axes(mesh, ckpt_dir):
+    state = make_state(mesh)
+    other = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    layouts = {"w": P("y", "x"), "emb": P("x"), "proj": P(None, "y"), "ids": P(), "small": P("y")}
+    layouts["one_device"] = P("x")
+    target = dict(state)
+    target["params"] = {
+        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, layouts[name]))
+        for name, x in state["params"].items()
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state, rng=jax.random.key(9))
+        m.wait()
+        restored = m.restore(state=target)
+    assert_tree_bitwise(restored.state, state)
+    for name, leaf in target["params"].items():
+        assert restored.state["params"][name].sharding == leaf.sharding, name
+    assert_same_sharding(restored.rng.sharding, NamedSharding(other, P()))
 
 
 def test_state_roundtrip_onto_a_single_device(mesh, ckpt_dir):
@@ -237,6 +275,25 @@ def test_numpy_float64_scalar_restores_as_numpy_without_target(ckpt_dir):
     assert type(restored.state["py"]) is float
     assert type(restored.state["f64"]) is np.ndarray
     assert_bitwise(restored.state["f64"], np.asarray(np.float64(0.5)))
+
+
+def test_zero_size_leaves_roundtrip(mesh, ckpt_dir):
+    # Orbax refuses zero-size arrays; jaxckpt records their specs and remakes them.
+    sharding = NamedSharding(mesh, P("data"))
+    state = {
+        "host": np.zeros((0, 3), np.float32),
+        "dev": jax.device_put(jnp.zeros((0, 8), jnp.bfloat16), sharding),
+        "keys": jax.random.split(jax.random.key(0), 0),
+        "w": jnp.arange(4.0),
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+        m.wait()
+        restored = m.restore(state=state)
+        host = m.restore().state
+    assert_tree_bitwise(restored.state, state)
+    assert restored.state["dev"].sharding == sharding
+    assert host["host"].shape == (0, 3) and host["dev"].dtype == jnp.bfloat16
 
 
 def test_save_copies_numpy_leaves(mesh, ckpt_dir):
@@ -439,7 +496,9 @@ def check_keys(restored, keys, sharding=None):
             if sharding is not None:
                 assert_same_sharding(got.sharding, sharding)
         single = restored[impl]["single"]
-        assert_bitwise(jax.random.normal(single, (3,)), jax.random.normal(keys[impl]["single"], (3,)))
+        assert_bitwise(
+            jax.random.normal(single, (3,)), jax.random.normal(keys[impl]["single"], (3,))
+        )
         draw = jax.vmap(lambda k: jax.random.uniform(k, (2,)))
         assert_bitwise(draw(restored[impl]["batched"]), draw(keys[impl]["batched"]))
 
@@ -481,7 +540,9 @@ def test_rng_roundtrip_into_an_rng_target(mesh, ckpt_dir):
     )
     batched = NamedSharding(mesh, P("data"))
     for impl in IMPLS:
-        target[impl]["batched"] = jax.ShapeDtypeStruct((4,), keys[impl]["batched"].dtype, sharding=batched)
+        target[impl]["batched"] = jax.ShapeDtypeStruct(
+            (4,), keys[impl]["batched"].dtype, sharding=batched
+        )
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(1, state={"x": np.zeros(2)}, rng=keys)
         m.wait()
