@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,12 +39,13 @@ def run_train(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedPro
     return proc, time.perf_counter() - t0
 
 
-def read_losses(path: Path) -> dict[int, int]:
-    """{step: float32 bits of the loss}; a later line for the same step wins."""
+def read_log(path: Path, field: str = "bits") -> dict[int, Any]:
+    """{step: field} from a train.py log (`bits`: float32 bits of the loss, `loss`,
+    `batch_crc`); a later line for the same step wins."""
     out = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        out[record["step"]] = record["bits"]
+        out[record["step"]] = record[field]
     return out
 
 
@@ -100,9 +102,9 @@ def main() -> int:
     for line in resumed.stdout.splitlines():
         print("    " + line)
 
-    reference = read_losses(out / "ref.jsonl")
-    before = read_losses(out / "crashed.jsonl")
-    after = read_losses(out / "resumed.jsonl")
+    reference = read_log(out / "ref.jsonl")
+    before = read_log(out / "crashed.jsonl")
+    after = read_log(out / "resumed.jsonl")
     resumed_from = min(after) - 1
     combined = {**{s: b for s, b in before.items() if s <= resumed_from}, **after}
     equal = sum(combined.get(s) == bits for s, bits in reference.items())

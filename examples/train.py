@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -248,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
 
     log = args.log.open("a") if args.log else None
     for step in range(start + 1, cfg.total_steps + 1):
-        tokens = jax.device_put(next(data), batch_sharding)
+        batch = next(data)
+        tokens = jax.device_put(batch, batch_sharding)
         key, step_key = jax.random.split(key)
         loss = np.float32(train_step(model, optimizer, tokens, step_key))
         if log:
-            log.write(
-                json.dumps({"step": step, "loss": float(loss), "bits": int(loss.view(np.uint32))})
-                + "\n"
-            )
+            record = {
+                "step": step,
+                "loss": float(loss),
+                "bits": int(loss.view(np.uint32)),  # for bitwise comparison
+                "batch_crc": zlib.crc32(batch.tobytes()),  # the data order
+            }
+            log.write(json.dumps(record) + "\n")
             log.flush()
         if mngr is not None and mngr.should_save(step):
             t0 = time.perf_counter()

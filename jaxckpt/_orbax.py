@@ -139,13 +139,16 @@ class OrbaxStore:
         out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
         restore_args = {name: _restore_args(r) for name, r in requests.items() if name not in out}
         if restore_args:
-            restored = self._mngr.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{item: ocp.args.PyTreeRestore(restore_args=restore_args)}
-                ),
+            # partial_restore: read only the requested leaves, never the rest of the step.
+            args = ocp.args.PyTreeRestore(
+                item={
+                    n: jax.ShapeDtypeStruct(requests[n].shape, requests[n].dtype)
+                    for n in restore_args
+                },
+                restore_args=restore_args,
+                partial_restore=True,
             )
-            out.update(restored[item])
+            out.update(self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item])
         return out
 
     def read_data_state(self, step: int) -> str:

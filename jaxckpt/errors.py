@@ -49,7 +49,11 @@ class LeafMismatchError(JaxckptError, ValueError):
     """A leaf of the restore target differs from the saved leaf in shape or dtype."""
 
 
-class MissingShardingError(JaxckptError, ValueError):
+class ShardingError(JaxckptError, ValueError):
+    """A restore-target leaf's sharding cannot hold the saved array."""
+
+
+class MissingShardingError(ShardingError):
     """A restore-target leaf does not say where its data should land."""
 
 

@@ -212,7 +212,13 @@ class CheckpointManager:
     # ---------------------------------------------------------------------------- restore
 
     def restore(
-        self, step: int | None = None, *, state: Any = None, rng: Any = None, data: Any = None
+        self,
+        step: int | None = None,
+        *,
+        state: Any = None,
+        rng: Any = None,
+        data: Any = None,
+        partial: bool = False,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
@@ -229,6 +235,8 @@ class CheckpointManager:
             devices of the state target (on the host when there is no state target).
           data: an iterator with `set_state`; it is moved to the saved position in place,
             after everything else was read successfully.
+          partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
+            of a saved `{"params", "opt_state"}`); the rest is not read.
         """
         self._check_open()
         self._finish_pending()
@@ -248,10 +256,12 @@ class CheckpointManager:
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
-        restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None)
+        restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None, partial)
         restored_rng = None
         if rng_specs:
-            restored_rng = self._read_tree(step, _orbax.RNG, rng_specs, rng, _replicated(state))
+            restored_rng = self._read_tree(
+                step, _orbax.RNG, rng_specs, rng, _replicated(state), False
+            )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
         if data is not None:
@@ -260,11 +270,11 @@ class CheckpointManager:
             step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=data
         )
 
-    def _read_tree(self, step, item, specs, target, default_sharding) -> Any:
+    def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
         if target is None:
             arrays = self._store.read_arrays(step, item, uniform_requests(specs, default_sharding))
             return nest(specs, arrays)
-        requests, rebuild = plan_restore(target, specs, item=item, step=step)
+        requests, rebuild = plan_restore(target, specs, item=item, step=step, partial=partial)
         return rebuild(self._store.read_arrays(step, item, requests))
 
     # ---------------------------------------------------------------------------- internals

@@ -28,6 +28,7 @@ from jax import tree_util
 from jaxckpt.errors import (
     LeafMismatchError,
     MissingShardingError,
+    ShardingError,
     TreeMismatchError,
     UnsupportedValueError,
 )
@@ -165,12 +166,13 @@ def check_json(value: Any, path: str = "meta") -> None:
 
 
 def plan_restore(
-    target: Any, saved: Sequence[LeafSpec], *, item: str, step: int
+    target: Any, saved: Sequence[LeafSpec], *, item: str, step: int, partial: bool = False
 ) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
     """Checks `target` against the saved specs and says what to read and how to rebuild.
 
     Returns the read requests by stored name and a function that turns the arrays read into
-    a tree with the target's structure and leaf types.
+    a tree with the target's structure and leaf types. With `partial`, saved leaves that the
+    target lacks are allowed (and not read).
     """
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     by_name = {s.name: s for s in saved}
@@ -180,7 +182,7 @@ def plan_restore(
         target_leaves[_name(entries)] = (entries, leaf)
 
     missing = [_display(e) for n, (e, _) in target_leaves.items() if n not in by_name]
-    extra = [s.display for s in saved if s.name not in target_leaves]
+    extra = [] if partial else [s.display for s in saved if s.name not in target_leaves]
     if missing or extra:
         lines = [f"the {item} target does not match the {item} saved at step {step}:"]
         if missing:
@@ -189,7 +191,8 @@ def plan_restore(
             lines.append(f"  in the checkpoint but not in the target: {_listing(extra)}")
         lines.append(
             "Build the target from the same model and optimizer definition that was saved "
-            "(e.g. jax.eval_shape of the init function)."
+            "(e.g. jax.eval_shape of the init function)"
+            + ("." if missing else ", or pass partial=True to restore only the target's leaves.")
         )
         raise TreeMismatchError("\n".join(lines))
 
@@ -205,6 +208,15 @@ def plan_restore(
         if sharding is _MISSING:
             unsharded.append(spec.display)
             continue
+        if sharding is not None:
+            try:
+                sharding.shard_shape(spec.shape)
+            except ValueError as e:
+                raise ShardingError(
+                    f"{item} leaf {spec.display} of shape {spec.shape} cannot be placed on the "
+                    f"target's sharding {sharding}: {e}. Choose a PartitionSpec whose mesh "
+                    "axes divide the dimensions, or replicate that dimension (None)."
+                ) from None
         requests[name] = ReadRequest(_stored_shape(spec), _stored_dtype(spec), sharding)
     if mismatches:
         raise LeafMismatchError(
@@ -214,10 +226,11 @@ def plan_restore(
         )
     if unsharded:
         raise MissingShardingError(
-            f"{item} target leaves have no sharding, so jaxckpt cannot tell where to put them: "
-            f"{_listing(unsharded)}. Give each jax.ShapeDtypeStruct a sharding "
-            "(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))), pass a "
-            "live jax.Array, or pass NumPy arrays to restore on the host."
+            f"{item} target leaves have no sharding on concrete devices, so jaxckpt cannot "
+            f"tell where to put them: {_listing(unsharded)}. Build the target with "
+            "jaxckpt.target_on_mesh / target_from_flax / target_like, give each "
+            "jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec)), pass live "
+            "jax.Arrays, or pass NumPy arrays to restore on the host."
         )
 
     def rebuild(arrays: Mapping[str, Any]) -> Any:
@@ -268,7 +281,11 @@ _MISSING = object()
 def _target_sharding(leaf: Any) -> Any:
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         sharding = getattr(leaf, "sharding", None)
-        return _MISSING if sharding is None else sharding
+        if sharding is None or isinstance(
+            getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+        ):
+            return _MISSING  # nowhere to put it, or only an abstract mesh without devices
+        return sharding
     return None  # NumPy arrays and Python scalars are restored on the host
 
 

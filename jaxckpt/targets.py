@@ -1,0 +1,107 @@
+"""Restore targets: abstract trees whose shardings say where every restored array lands.
+
+A checkpoint moves to another mesh (another shape, device count or host count) by restoring
+it into a target built for that mesh. Three ways to build one:
+
+* `target_on_mesh(abstract, mesh, specs)`: from shapes/dtypes and a PartitionSpec tree;
+* `target_from_flax(abstract, mesh, rules)`: from Flax partitioning annotations
+  (`nnx.with_partitioning`, Linen `nn.with_partitioning` / logical axis names + rules);
+* `target_like(state)`: from a live state, keeping each leaf's current sharding.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec as P
+>>> mesh = jax.make_mesh((1,), ("data",))
+>>> target = target_on_mesh({"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}, mesh, P("data"))
+>>> target["w"].sharding.spec == P("data")
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxckpt.errors import ConfigError
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
+    """Places every array leaf of `abstract` on `mesh`.
+
+    Args:
+      abstract: a tree whose leaves have `.shape` and `.dtype` (`jax.eval_shape` output, live
+        arrays, `nnx.eval_shape` state). Python scalars and NumPy arrays stay as they are
+        (restored on the host).
+      mesh: a concrete device mesh; its axis types (Auto or Explicit) are kept.
+      specs: a PartitionSpec tree matching `abstract` (None entries: replicated), or one
+        PartitionSpec for every leaf. None: each leaf keeps the spec of its own NamedSharding
+        (e.g. from `nnx.eval_shape` under `jax.set_mesh`), replicated where it has none.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh must be a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
+    if specs is None or isinstance(specs, PartitionSpec):
+        return jax.tree.map(lambda leaf: _place(leaf, mesh, specs), abstract)
+    try:
+        return jax.tree.map(lambda leaf, spec: _place(leaf, mesh, spec), abstract, specs)
+    except ValueError as e:
+        raise ConfigError(
+            f"the PartitionSpec tree does not match the abstract tree: {e}. Give one spec per "
+            "array leaf (None for replicated), or a single PartitionSpec for all."
+        ) from None
+
+
+def _place(leaf: Any, mesh: Mesh, spec: PartitionSpec | None) -> Any:
+    if not hasattr(leaf, "shape") or isinstance(leaf, np.ndarray | np.generic):
+        return leaf
+    if spec is None:
+        own = getattr(leaf, "sharding", None)
+        spec = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+
+def target_from_flax(
+    abstract: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None
+) -> Any:
+    """Places a Flax state on `mesh` per its partitioning annotations.
+
+    Args:
+      abstract: an NNX state (`nnx.state(nnx.eval_shape(...))`, whose variables carry
+        `nnx.with_partitioning` metadata) or a Linen variables tree with `nn.Partitioned`
+        boxes (`jax.eval_shape(model.init, ...)`); unannotated leaves are replicated.
+      mesh: the concrete mesh to restore onto.
+      rules: logical axis rules, `(logical name, mesh axis or None)` pairs, when the
+        annotations name logical axes (e.g. `("embed", None), ("mlp", "model")`).
+    """
+    from flax import linen as nn  # flax is optional: only this helper needs it
+    from flax import nnx
+
+    if isinstance(abstract, nnx.State):
+        specs = nnx.get_partition_spec(abstract)
+    else:
+        specs = nn.get_partition_spec(abstract)
+        abstract = nn.unbox(abstract)
+    if rules is not None:
+        specs = nn.logical_to_mesh(specs, rules)
+    return target_on_mesh(abstract, mesh, specs)
+
+
+def target_like(state: Any) -> Any:
+    """The target of a live state: each array leaf's shape, dtype and current sharding.
+
+    Unlike passing the live state itself, the result holds no device memory, so the live
+    arrays may be deleted before restoring.
+    """
+
+    def abstract(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        return leaf
+
+    return jax.tree.map(abstract, state)
