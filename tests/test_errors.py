@@ -333,7 +333,7 @@ def test_shape_dtype_struct_without_sharding(saved, mesh):
     with pytest.raises(
         errors.MissingShardingError,
         match=r"state target leaves have no sharding.*: \['params'\]\['w2'\]\. "
-        r"Give each jax\.ShapeDtypeStruct a sharding",
+        r"Build the target with jaxckpt\.target_on_mesh",
     ):
         m.restore(state=target)
     all_unsharded = jax.tree.map(
