@@ -113,8 +113,15 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(leaf))
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl)
-            return jax.random.key_data(leaf), spec
-        return leaf, LeafSpec(name, entries, leaf.shape, np.dtype(leaf.dtype).name)
+            value = jax.random.key_data(leaf)
+        else:
+            value, spec = leaf, LeafSpec(name, entries, leaf.shape, np.dtype(leaf.dtype).name)
+        if jax.process_count() > 1 and value.is_fully_addressable:
+            # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
+            # refuses in a multi-process job: it is saved like a NumPy array, from process 0,
+            # and restored onto the target's sharding.
+            value = np.asarray(value)
+        return value, spec
     if _is_python_scalar(leaf):
         value = np.asarray(leaf)
         if value.dtype != object:  # e.g. 2**70 fits no integer dtype
