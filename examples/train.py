@@ -275,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step}: loss {loss:.4f}, checkpoint started ({time.perf_counter() - t0:.3f}s blocking)",
                 flush=True,
             )
+        if mngr is not None and mngr.preempted:  # SIGTERM: the step was just saved
+            mngr.close()
+            print(f"preempted: saved step {step}, exiting", flush=True)
+            return 0
         if step == args.stop_at:
             if args.kill:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing gets to clean up

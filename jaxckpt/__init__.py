@@ -8,6 +8,7 @@ from jaxckpt.manager import CheckpointManager as CheckpointManager
 from jaxckpt.manager import Restored as Restored
 from jaxckpt.policy import RetentionPolicy as RetentionPolicy
 from jaxckpt.policy import SavePolicy as SavePolicy
+from jaxckpt.preemption import PreemptionPolicy as PreemptionPolicy
 from jaxckpt.targets import target_from_flax as target_from_flax
 from jaxckpt.targets import target_like as target_like
 from jaxckpt.targets import target_on_mesh as target_on_mesh

@@ -38,6 +38,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.policy import RetentionPolicy, SavePolicy
+from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
 
 log = logging.getLogger("jaxckpt")
@@ -72,6 +73,7 @@ class CheckpointManager:
       directory: where the steps live; created if missing.
       policy: when `should_save(step)` is true.
       retention: which committed steps to keep; the others are deleted after each commit.
+      preemption: how a preemption notice (SIGTERM by default) makes `should_save` true.
       clock: seconds as a float, for the time-based policy (injected in tests).
       timeout_s: how long a background save may take, barriers between processes included.
 
@@ -85,6 +87,7 @@ class CheckpointManager:
         *,
         policy: SavePolicy = SavePolicy(),
         retention: RetentionPolicy = RetentionPolicy(),
+        preemption: PreemptionPolicy = PreemptionPolicy(),
         clock: Callable[[], float] = time.monotonic,
         timeout_s: int = 1200,
     ):
@@ -92,7 +95,10 @@ class CheckpointManager:
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
         if not isinstance(retention, RetentionPolicy):
             raise ConfigError(f"retention must be a jaxckpt.RetentionPolicy, got {retention!r}")
+        if not isinstance(preemption, PreemptionPolicy):
+            raise ConfigError(f"preemption must be a jaxckpt.PreemptionPolicy, got {preemption!r}")
         self._store = _orbax.OrbaxStore(directory, timeout_s=timeout_s)
+        self._preemption = PreemptionWatcher(preemption)
         self._policy = policy
         self._retention = retention
         self._clock = clock
@@ -116,9 +122,21 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption notice made `should_save` true: save, close, and exit."""
+        return self._preemption.preempted
+
     def should_save(self, step: int) -> bool:
-        """True when the save policy says `step` should be saved. Reads no files."""
+        """True when `step` should be saved: per the save policy, or for a preemption.
+
+        Call it at every step on every process (the preemption agreement counts on it);
+        reads no files.
+        """
         step = _check_step(step)
+        if self._preemption.reached(step):
+            log.warning("preemption: step %d is the step to save before exiting", step)
+            return step != self._last_saved_step
         if step == self._last_saved_step:
             return False
         due = self._policy.due(
@@ -201,6 +219,7 @@ class CheckpointManager:
             self._finish_pending()
         finally:
             self._closed = True
+            self._preemption.close()
             self._store.close()
 
     def __enter__(self) -> CheckpointManager:

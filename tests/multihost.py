@@ -65,8 +65,12 @@ def run_job(
     args: dict | None = None,
     timeout: float = 180,
     check: bool = True,
+    while_running=None,
 ) -> list[Result]:
-    """Starts `processes` processes with `devices` CPU devices each; waits for all of them."""
+    """Starts `processes` processes with `devices` CPU devices each; waits for all of them.
+
+    `while_running(popens)`, if given, is called once all have started (e.g. to signal one).
+    """
     port = free_port()
     procs = []
     for i in range(processes):
@@ -89,6 +93,8 @@ def run_job(
         )
     results = []
     try:
+        if while_running is not None:
+            while_running(procs)
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             results.append(Result(p.returncode, out, err))

@@ -1,0 +1,93 @@
+"""Preemption notices: turn a signal or a callback on any process into one agreed save step.
+
+One process: a handler for the policy's signals (SIGTERM by default) sets a flag; the next
+`should_save(step)` is true. Several processes: SIGTERM goes through JAX's own preemption
+service (`multihost_utils.reached_preemption_sync_point`), which agrees on the first step
+that every process can still reach; other signals and the `check` callback are OR-ed over
+all processes at each call, so every process sees the notice at the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxckpt.errors import ConfigError
+
+log = logging.getLogger("jaxckpt")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreemptionPolicy:
+    """How a preemption notice reaches `CheckpointManager.should_save`.
+
+    Attributes:
+      enabled: whether a notice makes `should_save` true (and `preempted` set).
+      signals: signals that mean "about to be preempted". With several processes, SIGTERM is
+        handled by JAX's preemption service (`jax.distributed` installs it).
+      check: called at every `should_save`; True means a notice arrived (e.g. a poll of the
+        cloud's maintenance-event endpoint). With several processes it costs a small
+        collective per call.
+    """
+
+    enabled: bool = True
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+    check: Callable[[], bool] | None = None
+
+    def __post_init__(self):
+        if not all(isinstance(s, int) for s in self.signals):
+            raise ConfigError(
+                f"PreemptionPolicy.signals must be signal numbers, got {self.signals!r}"
+            )
+
+
+class PreemptionWatcher:
+    """Installs the policy's signal handlers; says when the agreed preemption step is reached."""
+
+    def __init__(self, policy: PreemptionPolicy):
+        self._policy = policy
+        self._noticed = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._multi = jax.process_count() > 1
+        self.preempted = False
+        if not policy.enabled:
+            return
+        signals = [s for s in policy.signals if not (self._multi and s == signal.SIGTERM)]
+        if signals and threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "preemption signals can only be caught from the main thread; ignoring %s", signals
+            )
+            return
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        log.warning("preemption notice: signal %s; the next should_save() is true", signum)
+        self._noticed.set()
+
+    def reached(self, step: int) -> bool:
+        """True once: at the step every process saves for a preemption. Call at every step."""
+        if not self._policy.enabled or self.preempted:
+            return False
+        local = self._noticed.is_set() or bool(self._policy.check and self._policy.check())
+        if not self._multi:
+            self.preempted = local
+        else:
+            agreed = multihost_utils.reached_preemption_sync_point(step)
+            if self._previous or self._policy.check is not None:
+                agreed |= bool(np.any(multihost_utils.process_allgather(np.bool_(local))))
+            self.preempted = agreed
+        return self.preempted
+
+    def close(self) -> None:
+        """Puts back the signal handlers that were there before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
