@@ -71,12 +71,25 @@ class SaveError(JaxckptError, RuntimeError):
     """
 
     def __init__(
-        self, step: int, cause: BaseException, committed: Sequence[int], *, background: bool = True
+        self,
+        step: int,
+        cause: BaseException,
+        committed: Sequence[int],
+        *,
+        background: bool = True,
+        missing: Sequence[int] = (),
     ):
         self.step = step
+        self.missing_processes = list(missing)
         when = " in the background" if background else ""
+        lost = (
+            f" Process(es) {', '.join(map(str, missing))} never reached the commit barrier: "
+            "they probably died; restart the job, it resumes from the last committed step."
+            if missing
+            else ""
+        )
         super().__init__(
-            f"saving step {step} failed{when}: {type(cause).__name__}: {cause}. "
+            f"saving step {step} failed{when}: {type(cause).__name__}: {cause}.{lost} "
             f"Step {step} was not committed; committed steps are intact: {_steps(committed)}."
         )
 

@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import operator
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -306,7 +307,9 @@ class CheckpointManager:
         try:
             self._store.wait()
         except Exception as e:
-            raise SaveError(step, e, self._store.committed_steps()) from e
+            raise SaveError(
+                step, e, self._store.committed_steps(), missing=_missing_processes(e)
+            ) from e
         for old in self._retention.steps_to_delete(self._store.committed_steps()):
             log.info("retention: deleting step %d from %s", old, self.directory)
             self._store.delete(old)
@@ -314,6 +317,16 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+
+
+def _missing_processes(error: BaseException) -> list[int]:
+    """The processes a multi-host barrier waited for in vain, as JAX's coordination service
+    names them: after the barrier timeout, or after a dead task's heartbeat timeout."""
+    text = str(error)
+    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
+    tasks = re.findall(r"\d+", found.group(1)) if found else []
+    tasks += re.findall(r"Task (\d+) heartbeat timeout", text)
+    return sorted({int(t) for t in tasks})
 
 
 def _check_step(step: Any) -> int:

@@ -28,7 +28,7 @@ ARGS = json.loads({args!r})
 if NUM_PROCESSES > 1:
     jax.distributed.initialize(
         "127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=PROCESS_ID,
-        initialization_timeout=60,
+        initialization_timeout=60, heartbeat_timeout_seconds=ARGS.get("heartbeat_s", 100),
     )
 import numpy as np
 import jax.numpy as jnp

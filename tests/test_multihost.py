@@ -145,3 +145,49 @@ print("RESULT " + json.dumps(report))
     )
     results = run_job(body, processes=2, devices=4, args={"dir": str(tmp_path)})
     assert [r.report()["step"] for r in results] == [5, 5]
+
+
+def test_a_process_dying_mid_save_fails_the_others_in_bounded_time(tmp_path):
+    body = (
+        COMMON
+        + """
+import signal, time
+mesh = mesh_of((4, 2), ("data", "model"))
+m = jaxckpt.CheckpointManager(ARGS["dir"], timeout_s=5)
+m.save(1, state=make_state(mesh))
+m.wait()
+m.save(2, state=make_state(mesh))
+if PROCESS_ID == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # dies with its part of step 2 unwritten
+t0 = time.monotonic()
+try:
+    m.wait()
+    report = {"error": None}
+except jaxckpt.errors.SaveError as e:
+    report = {"error": str(e), "missing": e.missing_processes}
+report["seconds"] = time.monotonic() - t0
+print("RESULT " + json.dumps(report), flush=True)
+"""
+    )
+    # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
+    survivor, dead = run_job(
+        body, processes=2, devices=4, args={"dir": str(tmp_path), "heartbeat_s": 10}, check=False
+    )
+    assert dead.returncode == -9
+    report = survivor.report()
+    assert report["missing"] == [1], report
+    assert "saving step 2 failed in the background" in report["error"]
+    assert "Process(es) 1 never reached the commit barrier" in report["error"]
+    assert report["seconds"] < 60  # bounded by timeout_s per barrier, not a hang
+    body = (
+        COMMON
+        + """
+with jaxckpt.CheckpointManager(ARGS["dir"]) as m:
+    report = {"steps": m.all_steps()}
+    restored = m.restore(state={"w": np.zeros_like(W), "b": np.zeros_like(B), "step": 0})
+    report["intact"] = bool(np.array_equal(restored.state["w"], W))
+print("RESULT " + json.dumps(report))
+"""
+    )
+    (result,) = run_job(body, processes=1, devices=8, args={"dir": str(tmp_path)})
+    assert result.report() == {"steps": [1], "intact": True}  # no partial step 2
