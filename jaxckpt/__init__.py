@@ -6,6 +6,8 @@ The public API is what this module re-exports; everything else may change.
 from jaxckpt import errors as errors
 from jaxckpt.manager import CheckpointManager as CheckpointManager
 from jaxckpt.manager import Restored as Restored
+from jaxckpt.plan import ProcessPlan as ProcessPlan
+from jaxckpt.plan import RestorePlan as RestorePlan
 from jaxckpt.policy import RetentionPolicy as RetentionPolicy
 from jaxckpt.policy import SavePolicy as SavePolicy
 from jaxckpt.preemption import PreemptionPolicy as PreemptionPolicy

@@ -74,8 +74,12 @@ class DataRestore(ocp.args.CheckpointArgs):
 class OrbaxStore:
     """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`."""
 
-    def __init__(self, directory: str | epath.PathLike, *, timeout_s: int):
+    def __init__(
+        self, directory: str | epath.PathLike, *, timeout_s: int, restore_inflight_bytes: int
+    ):
         self.directory = epath.Path(directory)
+        # Orbax's limit on bytes being restored at once bounds the host staging memory.
+        arrays = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_inflight_bytes / 1e9)
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True,
             create=True,
@@ -87,8 +91,8 @@ class OrbaxStore:
             self.directory,
             options=options,
             item_handlers={
-                STATE: ocp.PyTreeCheckpointHandler(),
-                RNG: ocp.PyTreeCheckpointHandler(),
+                STATE: arrays,
+                RNG: arrays,
                 DATA: _DataStateHandler(),
                 INFO: ocp.JsonCheckpointHandler(filename=INFO_FILE),
             },

@@ -38,6 +38,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
     TreeMismatchError,
 )
+from jaxckpt.plan import RestorePlan, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
@@ -77,6 +78,8 @@ class CheckpointManager:
       preemption: how a preemption notice (SIGTERM by default) makes `should_save` true.
       clock: seconds as a float, for the time-based policy (injected in tests).
       timeout_s: how long a background save may take, barriers between processes included.
+      restore_inflight_bytes: at most this many bytes are being read at once during a
+        restore, which bounds its host staging memory (see `plan`).
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
@@ -91,6 +94,7 @@ class CheckpointManager:
         preemption: PreemptionPolicy = PreemptionPolicy(),
         clock: Callable[[], float] = time.monotonic,
         timeout_s: int = 1200,
+        restore_inflight_bytes: int = 128 * 2**20,
     ):
         if not isinstance(policy, SavePolicy):
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
@@ -98,7 +102,14 @@ class CheckpointManager:
             raise ConfigError(f"retention must be a jaxckpt.RetentionPolicy, got {retention!r}")
         if not isinstance(preemption, PreemptionPolicy):
             raise ConfigError(f"preemption must be a jaxckpt.PreemptionPolicy, got {preemption!r}")
-        self._store = _orbax.OrbaxStore(directory, timeout_s=timeout_s)
+        if restore_inflight_bytes <= 0:
+            raise ConfigError(
+                f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
+            )
+        self._store = _orbax.OrbaxStore(
+            directory, timeout_s=timeout_s, restore_inflight_bytes=restore_inflight_bytes
+        )
+        self._restore_inflight_bytes = restore_inflight_bytes
         self._preemption = PreemptionWatcher(preemption)
         self._policy = policy
         self._retention = retention
@@ -259,20 +270,7 @@ class CheckpointManager:
             of a saved `{"params", "opt_state"}`); the rest is not read.
         """
         self._check_open()
-        self._finish_pending()
-        steps = self._store.committed_steps()
-        if step is None:
-            if not steps:
-                raise NoCheckpointError(
-                    f"no committed checkpoint in {self.directory}; nothing to restore. "
-                    "Check the path, or start from scratch when latest_step() is None."
-                )
-            step = steps[-1]
-            log.info("restoring the latest committed step %d from %s", step, self.directory)
-        elif _check_step(step) not in steps:
-            raise StepNotFoundError(step, steps, str(self.directory))
-
-        info = self._store.read_info(step)
+        step, info = self._resolve(step)
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
@@ -289,6 +287,38 @@ class CheckpointManager:
         return Restored(
             step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=data
         )
+
+    def plan(self, step: int | None = None, *, state: Any, partial: bool = False) -> RestorePlan:
+        """A restore dry-run: per process, the bytes it will read and its peak host memory
+        estimate. Checks `state` like `restore` does, and reads only the step's metadata.
+
+        `print(mngr.plan(state=target))` shows, e.g.::
+
+            restore plan for step 20: 121 leaves, 1.00 GiB
+              process       reads  on devices  peak host (est.)
+                    0    1.00 GiB    1.00 GiB          1.25 GiB
+        """
+        self._check_open()
+        step, info = self._resolve(step)
+        specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
+        requests, _ = plan_restore(state, specs, item=_orbax.STATE, step=step, partial=partial)
+        return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
+
+    def _resolve(self, step: int | None) -> tuple[int, dict]:
+        """The committed step to read (None: the latest) and its jaxckpt metadata."""
+        self._finish_pending()
+        steps = self._store.committed_steps()
+        if step is None:
+            if not steps:
+                raise NoCheckpointError(
+                    f"no committed checkpoint in {self.directory}; nothing to restore. "
+                    "Check the path, or start from scratch when latest_step() is None."
+                )
+            step = steps[-1]
+            log.info("using the latest committed step %d from %s", step, self.directory)
+        elif _check_step(step) not in steps:
+            raise StepNotFoundError(step, steps, str(self.directory))
+        return step, self._store.read_info(step)
 
     def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
         if target is None:

@@ -120,12 +120,22 @@ def test_two_host_save_restores_on_two_hosts_with_another_mesh(saved_on_two_host
     body = (
         COMMON
         + """
-report = restore(mesh_of((2, 4), ("data", "model")), {"w": P("model", "data"), "b": P("data"), "step": None}, with_data=True)
+mesh = mesh_of((2, 4), ("data", "model"))
+specs = {"w": P("model", "data"), "b": P("data"), "step": None}
+abstract = {"w": jax.ShapeDtypeStruct(W.shape, W.dtype), "b": jax.ShapeDtypeStruct(B.shape, B.dtype), "step": 0}
+with jaxckpt.CheckpointManager(ARGS["dir"]) as m:
+    plan = m.plan(state=jaxckpt.target_on_mesh(abstract, mesh, specs))
+report = restore(mesh, specs, with_data=True)
+report["plan_reads"] = [p.read_bytes for p in plan.processes]
 print("RESULT " + json.dumps(report))
 """
     )
     results = run_job(body, processes=2, devices=4, args={"dir": str(saved_on_two_hosts)})
-    assert [r.report()["position"] for r in results] == [100, 101]
+    reports = [r.report() for r in results]
+    assert [r["position"] for r in reports] == [100, 101]
+    # Each process reads its half of w and b (and the scalar step, 8 bytes, in full).
+    half = (64 * 16 * 4 + 16 * 4) // 2 + 8
+    assert all(r["plan_reads"] == [half, half] for r in reports)
 
 
 def test_one_host_save_restores_on_two_hosts(tmp_path):

@@ -228,3 +228,26 @@ def test_linen_logical_partitioning_onto_another_mesh(ckpt_dir):
     np.testing.assert_array_equal(
         np.asarray(kernel), np.asarray(params["params"]["Dense_0"]["kernel"])
     )
+
+
+def test_plan_reports_per_process_reads_before_reading(saved, ckpt_dir):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    target = jaxckpt.target_on_mesh(abstract(saved), mesh, SPECS_24)
+    # w, b, odd, rep (bf16), key (2 uint32 words), count
+    stored = 64 * 16 * 4 + 16 * 4 + 6 * 10 * 4 + 12 * 2 + 2 * 4 + 4
+    with jaxckpt.CheckpointManager(ckpt_dir, restore_inflight_bytes=1024) as m:
+        plan = m.plan(state=target)
+        (process,) = plan.processes
+        assert (plan.step, plan.leaves, plan.saved_bytes) == (1, 6, stored)
+        assert process.read_bytes == stored  # each distinct slice once
+        # Replicas count on each device: odd (x4 over "model"), rep (x2 over "data"),
+        # key and count (x8); w and b are split over all 8 devices.
+        assert process.device_bytes == 4096 + 64 + 4 * 240 + 2 * 24 + 8 * 8 + 8 * 4
+        assert process.peak_host_bytes == 2 * 1024 + process.device_bytes  # CPU devices
+        assert "restore plan for step 1: 6 leaves" in str(plan)
+
+        (replicated,) = m.plan(state=jaxckpt.target_on_mesh(abstract(saved), mesh, P())).processes
+        assert replicated.read_bytes == stored and replicated.device_bytes == 8 * stored
+
+        with pytest.raises(errors.TreeMismatchError, match=r"\['extra'\]"):
+            m.plan(state=dict(target, extra=target["w"]))

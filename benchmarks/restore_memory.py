@@ -1,0 +1,194 @@
+"""Host memory and bytes read when restoring a ~1 GiB state onto another mesh.
+
+Saves 1 GiB of float32 (16 leaves of 64 MiB) from a (4, 2) mesh of 8 CPU devices, then, each
+in a fresh process, restores it onto a (2, 4) mesh: in 1 process with 8 devices, and in 2
+processes x 4 devices (real jax.distributed on 127.0.0.1). Every restoring process reports:
+
+* peak RSS above its baseline (taken just before `restore`), from `getrusage` ru_maxrss;
+* bytes of chunk data it decoded, from tensorstore's own metric (reads are mmap-based, so
+  the kernel's per-process I/O counters do not see them);
+* what `CheckpointManager.plan` predicted for it before reading.
+
+    python benchmarks/restore_memory.py [--repeat 3] [--out benchmarks/results/restore_memory.md]
+
+Targets (issue 3): peak <= 1.3x the state size in 1 process; each of 2 processes reads about
+half the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+LEAVES, SHAPE = 16, (4096, 4096)  # 16 x 64 MiB of float32 = 1 GiB
+STATE_BYTES = LEAVES * SHAPE[0] * SHAPE[1] * 4
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, resource, sys, time
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", {devices})
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if {processes} > 1:
+        jax.distributed.initialize("127.0.0.1:{port}", num_processes={processes},
+                                   process_id={process_id}, initialization_timeout=60)
+    import jax.numpy as jnp
+    import tensorstore as ts
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxckpt
+
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    abstract = {{f"w{{i}}": jax.ShapeDtypeStruct({shape}, jnp.float32) for i in range({leaves})}}
+
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def decoded():
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/internal/riegeli/"):
+            if m["name"].endswith("noncontiguous_bytes"):
+                return m["values"][0]["value"]
+        return 0
+
+    if "{mode}" == "save":
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
+        sharding = NamedSharding(mesh, P("data", "model"))
+        make = jax.jit(lambda k: jax.random.normal(k, {shape}), out_shardings=sharding)
+        state = {{name: make(jax.random.key(i)) for i, name in enumerate(abstract)}}
+        with jaxckpt.CheckpointManager("{directory}") as m:
+            m.save(1, state=state)
+        print("RESULT {{}}")
+    else:
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
+        target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
+        m = jaxckpt.CheckpointManager("{directory}")
+        plan = m.plan(state=target).processes[jax.process_index()]
+        base, before, t0 = rss(), decoded(), time.perf_counter()
+        restored = m.restore(state=target)
+        jax.block_until_ready(restored.state)
+        seconds = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print("RESULT " + json.dumps({{
+            "peak_above": peak - base, "decoded": decoded() - before, "seconds": seconds,
+            "plan_read": plan.read_bytes, "plan_peak": plan.peak_host_bytes,
+        }}))
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(mode: str, directory: Path, processes: int, devices: int) -> list[dict]:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WORKER.format(
+                    mode=mode,
+                    directory=directory,
+                    processes=processes,
+                    process_id=i,
+                    devices=devices,
+                    port=port,
+                    shape=SHAPE,
+                    leaves=LEAVES,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    reports = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if p.returncode != 0 or not lines:
+                raise SystemExit(f"{mode} worker failed ({p.returncode}):\n{err[-3000:]}")
+            reports.append(json.loads(lines[-1][7:]))
+    finally:
+        for p in procs:
+            p.kill()
+    return reports
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "restore_memory.md"
+    )
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="jaxckpt-bench-"))
+    try:
+        run("save", directory, processes=1, devices=8)
+        rows = []
+        for processes, devices in [(1, 8), (2, 4)]:
+            runs = [run("restore", directory, processes, devices) for _ in range(args.repeat)]
+            for p in range(processes):
+
+                def median(key, p=p, runs=runs):
+                    return statistics.median(r[p][key] for r in runs)
+
+                rows.append(
+                    {
+                        "layout": f"{processes} process(es) x {devices} devices",
+                        "process": p,
+                        "peak_ratio": median("peak_above") / STATE_BYTES,
+                        "read_ratio": median("decoded") / STATE_BYTES,
+                        "plan_read_ratio": median("plan_read") / STATE_BYTES,
+                        "plan_peak_ratio": median("plan_peak") / STATE_BYTES,
+                        "seconds": median("seconds"),
+                        "spread_peak": (
+                            min(r[p]["peak_above"] for r in runs) / STATE_BYTES,
+                            max(r[p]["peak_above"] for r in runs) / STATE_BYTES,
+                        ),
+                    }
+                )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    lines = [
+        "# Restore memory: 1 GiB state from a (4, 2) mesh onto a (2, 4) mesh",
+        "",
+        f"Medians of {args.repeat} runs, each restore in a fresh process; ratios are to the state size "
+        f"({STATE_BYTES / 2**30:.2f} GiB). `python benchmarks/restore_memory.py`. Machine: "
+        f"{os.cpu_count()} CPUs, CPU devices (their memory is host memory).",
+        "",
+        "| layout | process | peak RSS above baseline | (min-max) | bytes read | plan: read | plan: peak | restore time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lo, hi = r["spread_peak"]
+        lines.append(
+            f"| {r['layout']} | {r['process']} | {r['peak_ratio']:.2f}x | {lo:.2f}-{hi:.2f}x | "
+            f"{r['read_ratio']:.2f}x | {r['plan_read_ratio']:.2f}x | {r['plan_peak_ratio']:.2f}x | "
+            f"{r['seconds']:.2f} s |"
+        )
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
