@@ -4,8 +4,12 @@ The public API is what this module re-exports; everything else may change.
 """
 
 from jaxckpt import errors as errors
+from jaxckpt.hf import ExportResult as ExportResult
+from jaxckpt.hf import export_safetensors as export_safetensors
+from jaxckpt.hf import load_safetensors as load_safetensors
 from jaxckpt.manager import CheckpointManager as CheckpointManager
 from jaxckpt.manager import Restored as Restored
+from jaxckpt.names import NameMap as NameMap
 from jaxckpt.plan import ProcessPlan as ProcessPlan
 from jaxckpt.plan import RestorePlan as RestorePlan
 from jaxckpt.policy import RetentionPolicy as RetentionPolicy

@@ -75,16 +75,25 @@ class OrbaxStore:
     """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`."""
 
     def __init__(
-        self, directory: str | epath.PathLike, *, timeout_s: int, restore_inflight_bytes: int
+        self,
+        directory: str | epath.PathLike,
+        *,
+        timeout_s: int = 1200,
+        restore_inflight_bytes: int = 128 * 2**20,
+        read_only: bool = False,
     ):
         self.directory = epath.Path(directory)
         # Orbax's limit on bytes being restored at once bounds the host staging memory.
         arrays = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_inflight_bytes / 1e9)
+        if read_only and not self.directory.exists():
+            raise FileNotFoundError(f"{self.directory} does not exist")
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True,
-            create=True,
-            # Leftovers of saves that never committed (a killed process) go at start-up.
-            cleanup_tmp_directories=True,
+            enable_async_checkpointing=not read_only,
+            create=not read_only,
+            read_only=read_only,
+            # Leftovers of saves that never committed (a killed process) go at start-up;
+            # a reader (export, inspect) never deletes anything.
+            cleanup_tmp_directories=not read_only,
             async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
         )
         self._mngr = ocp.CheckpointManager(

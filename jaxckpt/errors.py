@@ -65,6 +65,18 @@ class DataStateError(JaxckptError, ValueError):
     """The data-iterator state cannot be saved or restored."""
 
 
+class NameMapError(JaxckptError, ValueError):
+    """A name map cannot place a leaf, or places two leaves on one tensor name."""
+
+
+class FormatError(JaxckptError, ValueError):
+    """A file is not valid safetensors (corrupt or truncated header, bad metadata)."""
+
+
+class OutputExistsError(JaxckptError, FileExistsError):
+    """The output directory exists and is not empty; nothing was written to it."""
+
+
 class SaveError(JaxckptError, RuntimeError):
     """A save failed: at once, or in the background (then raised by the next `save`, `wait`
     or `close`). Steps committed before it are intact; the failed step is not visible.

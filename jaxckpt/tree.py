@@ -356,6 +356,11 @@ def _stored_dtype(spec: LeafSpec) -> np.dtype:
     return np.dtype(np.uint32) if spec.kind == KEY else np.dtype(spec.dtype)
 
 
+def leaf_name(path: tuple) -> str:
+    """The stored name of the leaf at a `jax.tree_util` key path (`params.w`)."""
+    return _name(_entries(path))
+
+
 def _entries(path: tuple) -> tuple[tuple[str, Any], ...]:
     out = []
     for e in path:

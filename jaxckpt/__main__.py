@@ -1,0 +1,3 @@
+from jaxckpt.cli import main
+
+main()

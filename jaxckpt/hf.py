@@ -1,0 +1,407 @@
+"""Hugging Face safetensors: export a checkpoint to sharded files, import files onto a mesh.
+
+Export reads the checkpoint tensor by tensor (through Orbax, as host NumPy arrays, with no
+devices involved) and streams each tensor into its file: peak memory is about one leaf. The
+output is the HF layout, written into a temporary directory that is renamed into place:
+
+    out_dir/model.safetensors                               (when it fits in one shard)
+    out_dir/model-00001-of-00003.safetensors ...            (otherwise)
+    out_dir/model.safetensors.index.json                    (written last: {"metadata":
+                                                             {"total_size": N}, "weight_map"})
+
+Import maps every leaf of a restore target (the same target form as `restore`) to its
+tensor(s), checks names, shapes and dtypes first, then builds each array from the slices its
+devices need, read through a memory map: a process reads only its addressable shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxckpt import _orbax
+from jaxckpt import safetensors_format as st
+from jaxckpt.errors import (
+    ConfigError,
+    FormatError,
+    LeafMismatchError,
+    MissingShardingError,
+    NoCheckpointError,
+    OutputExistsError,
+    StepNotFoundError,
+    TreeMismatchError,
+    UnsupportedValueError,
+)
+from jaxckpt.names import NameMap, Target
+from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
+
+log = logging.getLogger("jaxckpt")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    step: int
+    files: tuple[str, ...]
+    tensors: int
+    total_size: int
+    skipped: tuple[str, ...]  # leaves left out because safetensors cannot hold them
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string with decimal (5GB = 5e9) or binary (5GiB) units."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if not m:
+            raise ConfigError(f"cannot read the size {size!r}; use e.g. 5GB, 500MB or 2GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+    if value <= 0:
+        raise ConfigError(f"a shard size must be positive, got {size!r}")
+    return value
+
+
+def export_safetensors(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    names: NameMap | str | os.PathLike | Mapping | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    skip_unsupported: bool = True,
+) -> ExportResult:
+    """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
+
+    Args:
+      checkpoint_dir: a jaxckpt checkpoint directory (only read; no lock needed).
+      out_dir: the output directory; must not exist or be empty, unless `overwrite`.
+      step: the step to export; None for the latest committed one.
+      names: a name map (YAML path, mapping or NameMap; see `jaxckpt.names`) from leaf
+        names to HF tensor names, with transposes, layer splits and drops.
+      dtype: cast floating-point tensors to "float32", "bfloat16" or "float16".
+      max_shard_size: per-file limit, decimal units (5GB = 5e9 bytes) or binary (GiB).
+      metadata: string-to-string `__metadata__` for every file (`format: pt` by default).
+      overwrite: replace a non-empty `out_dir`.
+      skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
+        note; False makes them an error.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
+    limit = parse_size(max_shard_size)
+    name_map = NameMap.load(names)
+    cast = np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
+    file_metadata = {"format": "pt", **(metadata or {})}
+
+    store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
+    try:
+        step = _resolve_step(store, step)
+        specs = [LeafSpec.from_json(d) for d in store.read_info(step)["items"][_orbax.STATE]]
+        by_name = {s.name: s for s in specs}
+        targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
+        # PRNG keys the map does not drop: safetensors has no dtype for them.
+        skipped = [t.leaf for t in targets if by_name[t.leaf].kind == KEY]
+        if skipped and not skip_unsupported:
+            raise UnsupportedValueError(
+                f"PRNG key leaves cannot be safetensors: {skipped}; drop them in the name map "
+                "or pass skip_unsupported=True"
+            )
+        for name in skipped:
+            log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
+        targets = [t for t in targets if t.leaf not in skipped]
+        tensors = _plan_tensors(targets, by_name, cast, store, step)
+        files = _pack(tensors, limit)
+        _write(out_dir, files, file_metadata, overwrite)
+    finally:
+        store.close()
+    total = sum(st.nbytes(t[1], t[2]) for t in tensors)
+    log.info(
+        "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, len(tensors), len(files)
+    )
+    return ExportResult(out_dir, step, tuple(files), len(tensors), total, tuple(skipped))
+
+
+def _resolve_step(store: _orbax.OrbaxStore, step: int | None) -> int:
+    steps = store.committed_steps()
+    if not steps:
+        raise NoCheckpointError(f"no committed checkpoint in {store.directory}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise StepNotFoundError(step, steps, str(store.directory))
+    return step
+
+
+Planned = tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]
+
+
+def _plan_tensors(targets, by_name, cast, store, step) -> list[Planned]:
+    """(name, dtype, shape, producer) for every output tensor, in leaf order."""
+    planned: list[Planned] = []
+    for target in targets:
+        spec = by_name[target.leaf]
+        dtype = np.dtype(spec.dtype)
+        if cast is not None and _is_float(dtype):
+            dtype = cast
+        cache: dict[str, np.ndarray] = {}
+
+        def leaf(spec=spec, cache=cache) -> np.ndarray:
+            # A split leaf feeds several consecutive tensors: read once, drop after the last.
+            if "value" not in cache:
+                request = {spec.name: ReadRequest(spec.shape, np.dtype(spec.dtype), None)}
+                cache["value"] = store.read_arrays(step, _orbax.STATE, request)[spec.name]
+            return cache["value"]
+
+        shape = list(spec.shape)
+        if target.split is not None:
+            del shape[target.split]
+        if target.transpose is not None:
+            if sorted(target.transpose) != list(range(len(shape))):
+                raise ConfigError(
+                    f"transpose {target.transpose} does not fit leaf {target.leaf!r} "
+                    f"(tensor shape {tuple(shape)})"
+                )
+            shape = [shape[a] for a in target.transpose]
+        for i, name in enumerate(target.names):
+            last = i == len(target.names) - 1
+
+            def produce(i=i, last=last, target=target, leaf=leaf, cache=cache, dtype=dtype):
+                value = leaf()
+                if target.split is not None:
+                    value = np.take(value, i, axis=target.split)
+                if target.transpose is not None:
+                    value = value.transpose(target.transpose)
+                if last:
+                    cache.clear()
+                return value.astype(dtype, copy=False)
+
+            planned.append((name, dtype, tuple(shape), produce))
+    return planned
+
+
+def _pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
+    """Greedy, in order: a new file when the next tensor would pass the limit."""
+    groups: list[list[Planned]] = [[]]
+    size = 0
+    for t in tensors:
+        n = st.nbytes(t[1], t[2])
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    count = len(groups)
+    return {f"model-{i + 1:05d}-of-{count:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _write(out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: bool) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for file_name, tensors in files.items():
+            st.write_file(tmp / file_name, tensors, metadata)
+        if len(files) > 1:  # the index last: its presence means the export is complete
+            index = {
+                "metadata": {
+                    "total_size": sum(st.nbytes(t[1], t[2]) for g in files.values() for t in g)
+                },
+                "weight_map": {t[0]: f for f, g in files.items() for t in g},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if out_dir.exists():
+            if any(out_dir.iterdir()) and not overwrite:
+                raise OutputExistsError(f"{out_dir} became non-empty during the export")
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------ import
+
+
+def load_safetensors(
+    path: str | os.PathLike,
+    target: Any,
+    *,
+    names: NameMap | str | os.PathLike | Mapping | None = None,
+    ignore: str | None = None,
+) -> Any:
+    """Loads a safetensors file or an HF directory (indexed or single-file) onto `target`.
+
+    Args:
+      path: a `.safetensors` file, or a directory with `model.safetensors.index.json` or
+        `model.safetensors`.
+      target: the restore target: leaves are `jax.ShapeDtypeStruct` with a sharding, live
+        `jax.Array`s, or NumPy arrays (loaded on the host). Its treedef is the result's.
+      names: the same name map as for export (leaf names -> tensor names).
+      ignore: a regex of file tensors that may stay unused (e.g. `lm_head.weight` when tied).
+
+    Floating-point tensors are cast to the target's dtype; other dtypes must match.
+    """
+    headers = _open(Path(path))
+    name_map = NameMap.load(names)
+    pairs, treedef = tree_util.tree_flatten_with_path(target)
+    leaves = [(leaf_name(p), tree_util.keystr(p), leaf) for p, leaf in pairs]
+
+    plans, missing, mismatched, used = [], [], [], set()
+    for name, display, leaf in leaves:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise UnsupportedValueError(
+                f"target leaf {display} is a {type(leaf).__name__}; give arrays"
+            )
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise UnsupportedValueError(
+                f"target leaf {display} is a PRNG key; safetensors hold none"
+            )
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(leaf, np.ndarray) and (
+            sharding is None
+            or isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
+        ):
+            raise MissingShardingError(
+                f"target leaf {display} has no sharding on concrete devices; build the target "
+                "with jaxckpt.target_on_mesh / target_from_flax, or give NumPy arrays"
+            )
+        placed = name_map.place(name, leaf.shape)
+        if placed is None:
+            raise TreeMismatchError(
+                f"the name map drops target leaf {display} ({name}); nothing would fill it"
+            )
+        want = _file_shape(placed, leaf.shape)
+        for tensor in placed.names:
+            used.add(tensor)
+            if tensor not in headers:
+                missing.append(f"{tensor} (for {display})")
+                continue
+            info = headers[tensor][1]
+            if info.shape != want:
+                mismatched.append(
+                    f"{tensor}: shape {info.shape} in the file, {want} expected for {display}"
+                )
+            elif info.dtype != np.dtype(leaf.dtype) and not (
+                _is_float(info.dtype) and _is_float(np.dtype(leaf.dtype))
+            ):
+                mismatched.append(
+                    f"{tensor}: dtype {info.dtype} in the file, {leaf.dtype} in the target {display}"
+                )
+        plans.append((placed, leaf))
+    extra = sorted(n for n in headers if n not in used and not (ignore and re.search(ignore, n)))
+    if missing or extra:
+        lines = ["the safetensors do not match the target:"]
+        if missing:
+            lines.append(f"  missing in the files: {', '.join(missing[:20])}")
+        if extra:
+            lines.append(f"  in the files but not in the target: {', '.join(extra[:20])}")
+        lines.append("Fix the name map, or pass ignore= for tensors to leave unused.")
+        raise TreeMismatchError("\n".join(lines))
+    if mismatched:
+        raise LeafMismatchError("tensors do not fit the target:\n  " + "\n  ".join(mismatched))
+
+    arrays = [_load_leaf(placed, leaf, headers) for placed, leaf in plans]
+    return tree_util.tree_unflatten(treedef, arrays)
+
+
+def _open(path: Path) -> dict[str, tuple[Path, st.TensorInfo]]:
+    """{tensor name: (file, info)} over a file or an HF directory."""
+    if path.is_dir():
+        index = path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise FormatError(f"{index} is not a valid index: {e}") from None
+            files = sorted(set(weight_map.values()))
+        elif (path / SINGLE_FILE).exists():
+            files = [SINGLE_FILE]
+        else:
+            raise FormatError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        paths = [path / f for f in files]
+    elif path.exists():
+        paths = [path]
+    else:
+        raise FileNotFoundError(f"{path} does not exist")
+    out: dict[str, tuple[Path, st.TensorInfo]] = {}
+    for p in paths:
+        for name, info in st.read_header(p)[0].items():
+            out[name] = (p, info)
+    return out
+
+
+def _file_shape(placed: Target, shape) -> tuple[int, ...]:
+    shape = list(shape)
+    if placed.split is not None:
+        del shape[placed.split]
+    if placed.transpose is not None:
+        shape = [shape[a] for a in placed.transpose]
+    return tuple(shape)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+
+
+def _load_leaf(placed: Target, leaf: Any, headers) -> Any:
+    dtype = np.dtype(leaf.dtype)
+    inverse = None if placed.transpose is None else tuple(np.argsort(placed.transpose))
+
+    def read_one(tensor: str, index: tuple[slice, ...]) -> np.ndarray:
+        path, info = headers[tensor]
+        file_index = (
+            index if placed.transpose is None else tuple(index[a] for a in placed.transpose)
+        )
+        value = (
+            np.zeros(info.shape, info.dtype)[file_index]
+            if info.nbytes == 0
+            else st.read_slice(path, info, file_index)
+        )
+        return value if inverse is None else value.transpose(inverse)
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
+        if placed.split is None:
+            value = read_one(placed.names[0], index)
+        else:
+            axis = placed.split
+            rest = index[:axis] + index[axis + 1 :]
+            layers = range(*index[axis].indices(leaf.shape[axis]))
+            value = np.stack([read_one(placed.names[i], rest) for i in layers], axis=axis)
+        return value.astype(dtype, copy=False)
+
+    if isinstance(leaf, np.ndarray):
+        return read(tuple(slice(None) for _ in leaf.shape))
+    return jax.make_array_from_callback(tuple(leaf.shape), leaf.sharding, read)

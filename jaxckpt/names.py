@@ -1,0 +1,165 @@
+"""Name maps between jaxckpt leaf names and Hugging Face tensor names.
+
+A leaf's name is its tree path joined with dots, as stored in the checkpoint
+(`h.0.attn.c_attn.kernel.value`). A map is a list of rules, tried in order; the first whose
+`match` regex matches the whole name decides:
+
+    include: '^params\\.'          # optional: leaves whose name does not match are left out
+    rules:
+      - match: '^wte\\.embedding\\.value$'
+        name: transformer.wte.weight
+      - match: '^(h\\.\\d+\\..*)\\.kernel\\.value$'
+        name: 'transformer.\\1.weight'   # regex groups
+        transpose: [1, 0]             # optional: axes permutation (e.g. Flax (in, out) -> torch (out, in))
+      - match: '^layers\\.mlp\\.kernel\\.value$'
+        name: 'model.layers.{i}.mlp.weight'
+        split: 0                      # optional: a stacked (scanned) axis; one tensor per index i
+      - match: '^rngs\\.'
+        drop: true                    # optional: never exported
+
+Patterns are searched (anchor them with ^ and $). With no map at all, names stay as they
+are; with a map, a leaf that no rule matches is an error naming it (add a rule, a drop rule,
+or narrow `include`). `split` applies before `transpose`, whose permutation is over the
+axes of each split tensor. Maps load from YAML files (configs/hf/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxckpt.errors import ConfigError, NameMapError
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    match: re.Pattern
+    name: str | None = None
+    transpose: tuple[int, ...] | None = None
+    split: int | None = None
+    drop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one leaf goes: one HF tensor per entry of `names` (one, or one per split index)."""
+
+    leaf: str
+    names: tuple[str, ...]
+    transpose: tuple[int, ...] | None
+    split: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class NameMap:
+    rules: tuple[Rule, ...] = ()
+    include: re.Pattern | None = None
+
+    @classmethod
+    def load(cls, source: NameMap | str | Path | Mapping[str, Any] | None) -> NameMap:
+        """From a NameMap, a YAML file path, an already-parsed mapping, or None (identity)."""
+        if source is None:
+            return cls()
+        if isinstance(source, NameMap):
+            return source
+        if isinstance(source, str | Path):
+            import yaml  # only maps in files need it
+
+            path = Path(source)
+            try:
+                source = yaml.safe_load(path.read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ConfigError(f"cannot read the name map {path}: {e}") from None
+        if not isinstance(source, Mapping):
+            raise ConfigError(f"a name map is a mapping with 'rules', got {type(source).__name__}")
+        unknown = set(source) - {"rules", "include"}
+        if unknown:
+            raise ConfigError(
+                f"unknown name-map keys {sorted(unknown)}; expected 'rules', 'include'"
+            )
+        rules = []
+        for i, raw in enumerate(source.get("rules") or []):
+            extra = set(raw) - {"match", "name", "transpose", "split", "drop"}
+            if "match" not in raw or extra:
+                raise ConfigError(
+                    f"name-map rule {i} ({raw!r}) needs 'match' and may have only name, "
+                    "transpose, split, drop"
+                )
+            if not raw.get("drop") and raw.get("name") is None:
+                raise ConfigError(
+                    f"name-map rule {i} ({raw['match']!r}) needs a 'name' or 'drop: true'"
+                )
+            if raw.get("split") is not None and "{i}" not in raw["name"]:
+                raise ConfigError(f"name-map rule {i} splits an axis: its name needs '{{i}}'")
+            rules.append(
+                Rule(
+                    match=_compile(raw["match"], f"rule {i}"),
+                    name=raw.get("name"),
+                    transpose=tuple(raw["transpose"]) if raw.get("transpose") else None,
+                    split=raw.get("split"),
+                    drop=bool(raw.get("drop", False)),
+                )
+            )
+        include = source.get("include")
+        return cls(tuple(rules), _compile(include, "include") if include else None)
+
+    def place(self, leaf: str, shape: Sequence[int]) -> Target | None:
+        """Where `leaf` (of `shape`) goes; None when it is left out (include/drop)."""
+        if self.include is not None and not self.include.search(leaf):
+            return None
+        for rule in self.rules:
+            m = rule.match.search(leaf)
+            if m is None:
+                continue
+            if rule.drop:
+                return None
+            name = m.expand(rule.name)
+            if rule.split is None:
+                return Target(leaf, (name,), rule.transpose, None)
+            if not 0 <= rule.split < len(shape):
+                raise NameMapError(
+                    f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
+                )
+            names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
+            return Target(leaf, names, rule.transpose, rule.split)
+        if self.rules:
+            raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
+        return Target(leaf, (leaf,), None, None)
+
+    def place_all(self, shapes: Mapping[str, Sequence[int]]) -> list[Target]:
+        """Places every leaf; two leaves on one tensor name is an error naming both."""
+        targets, owner, unplaced = [], {}, []
+        for leaf, shape in shapes.items():
+            try:
+                target = self.place(leaf, shape)
+            except NameMapError:
+                unplaced.append(leaf)
+                continue
+            if target is None:
+                continue
+            for name in target.names:
+                if name in owner:
+                    raise NameMapError(
+                        f"leaves {owner[name]!r} and {leaf!r} both map to the tensor {name!r}; "
+                        "fix the name map so each tensor has one source"
+                    )
+                owner[name] = leaf
+            targets.append(target)
+        if unplaced:
+            shown = ", ".join(repr(n) for n in unplaced[:20])
+            more = f" (and {len(unplaced) - 20} more)" if len(unplaced) > 20 else ""
+            raise NameMapError(
+                f"no name-map rule places these leaves: {shown}{more}. Add a rule for them, "
+                "a 'drop: true' rule, or narrow 'include'."
+            )
+        return targets
+
+
+def _compile(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"name-map {where}: bad regex {pattern!r}: {e}") from None

@@ -1,0 +1,177 @@
+"""The safetensors file format, streamed: write tensor by tensor, read headers strictly.
+
+A file is an 8-byte little-endian header length N, N bytes of JSON header, then the tensor
+bytes. The header maps each tensor name to `{"dtype", "shape", "data_offsets": [begin, end]}`
+(offsets relative to the end of the header, contiguous, no gaps) and may hold
+`"__metadata__"`: a string-to-string map. Because every offset follows from dtypes and shapes
+alone, the header is written first and tensors are appended one at a time: writing needs
+memory for one tensor, never for the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxckpt.errors import FormatError, UnsupportedValueError
+
+MAX_HEADER = 100 * 1000 * 1000  # the limit safetensors itself enforces
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def dtype_code(dtype: np.dtype, what: str) -> str:
+    try:
+        return CODES[np.dtype(dtype)]
+    except KeyError:
+        raise UnsupportedValueError(
+            f"{what} has dtype {dtype}, which safetensors cannot store"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def nbytes(dtype: np.dtype, shape: Iterable[int]) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def write_file(
+    path: Path,
+    tensors: list[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
+
+    The file is fsynced before returning.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        bad = {
+            k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)
+        }
+        if bad:
+            raise UnsupportedValueError(
+                f"safetensors __metadata__ maps strings to strings; these entries are not: {bad!r}. "
+                "Convert the values with str() or json.dumps()."
+            )
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, dtype, shape, _ in tensors:
+        size = nbytes(dtype, shape)
+        header[name] = {
+            "dtype": dtype_code(dtype, f"tensor {name!r}"),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, dtype, shape, produce in tensors:
+            array = np.ascontiguousarray(produce(), dtype=dtype)
+            if array.shape != tuple(shape):
+                raise AssertionError(f"{name}: produced {array.shape}, planned {tuple(shape)}")
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("<"))
+            f.write(array.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors and metadata of one file; FormatError for anything malformed."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise FormatError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(
+            f"{path}: the header is not valid JSON ({e}); the file is corrupt"
+        ) from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError(f"{path}: __metadata__ must map strings to strings")
+    tensors, data_start, expected = {}, 8 + n, 0
+    for name, entry in sorted(header.items(), key=lambda kv: _offsets(path, kv)[0]):
+        begin, end = _offsets(path, (name, entry))
+        code, shape = entry.get("dtype"), entry.get("shape")
+        if code not in DTYPES or not isinstance(shape, list):
+            raise FormatError(f"{path}: tensor {name!r} has a bad dtype or shape: {entry!r}")
+        if begin != expected or end - begin != nbytes(DTYPES[code], shape):
+            raise FormatError(f"{path}: tensor {name!r} has offsets {begin}..{end} that do not fit")
+        expected = end
+        tensors[name] = TensorInfo(
+            name, DTYPES[code], tuple(shape), data_start + begin, data_start + end
+        )
+    if data_start + expected != size:
+        raise FormatError(
+            f"{path}: the header describes {data_start + expected} bytes but the file has {size}; "
+            "it is truncated or corrupt"
+        )
+    return tensors, metadata
+
+
+def _offsets(path: Path, item: tuple[str, object]) -> tuple[int, int]:
+    name, entry = item
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    ):
+        raise FormatError(f"{path}: tensor {name!r} has no valid data_offsets: {entry!r}")
+    return offsets[0], offsets[1]
+
+
+def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
+    """Reads `info[index]` through a memory map: only the pages holding the slice are read."""
+    whole = np.memmap(path, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
+    return np.array(whole[index])

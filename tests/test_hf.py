@@ -1,0 +1,300 @@
+"""Hugging Face safetensors: export proven by transformers, import onto a mesh, the map, errors."""
+
+import json
+import os
+import struct
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from conftest import run_python
+from examples.gpt2 import GPT2, GPT2Config, hf_config_json
+from jaxckpt import errors
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local; never reach for a hub
+GPT2_MAP = "configs/hf/gpt2.yaml"
+CFG = GPT2Config()
+TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16))
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt2") / "ckpt"
+    model = GPT2(CFG, nnx.Rngs(0))
+    with jaxckpt.CheckpointManager(directory) as m:
+        m.save(1, state=nnx.state(model))
+    return directory, np.asarray(model(TOKENS))
+
+
+def test_export_loads_in_transformers_with_the_same_logits(gpt2_checkpoint, tmp_path):
+    directory, logits = gpt2_checkpoint
+    out = tmp_path / "hf"
+    result = jaxckpt.export_safetensors(directory, out, names=GPT2_MAP, max_shard_size="60KB")
+    (out / "config.json").write_text(json.dumps(hf_config_json(CFG)))
+
+    assert len(result.files) > 1 and result.tensors == 4 + 12 * CFG.n_layer
+    assert result.skipped == ()  # the map drops the dropout RNG state itself
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(result.files)
+    assert result.files[0] == f"model-00001-of-{len(result.files):05d}.safetensors"
+    tensors = {}
+    for f in result.files:
+        in_file = safetensors.numpy.load_file(out / f)
+        data = sum(t.nbytes for t in in_file.values())
+        assert data <= 60_000 or len(in_file) == 1  # decimal units; a bigger tensor alone
+        tensors |= in_file
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D (in, out)
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    np.testing.assert_allclose(hf_logits(hf), logits, atol=1e-4, rtol=0)
+
+
+def test_export_casts_and_writes_one_file_when_it_fits(gpt2_checkpoint, tmp_path):
+    directory, _ = gpt2_checkpoint
+    out = tmp_path / "hf"
+    result = jaxckpt.export_safetensors(directory, out, names=GPT2_MAP, dtype="bfloat16")
+    assert result.files == ("model.safetensors",)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    with safetensors.safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
+
+
+def test_cli_export(gpt2_checkpoint, tmp_path):
+    directory, _ = gpt2_checkpoint
+    out = tmp_path / "hf"
+    proc = run_python(
+        "-m",
+        "jaxckpt",
+        "export",
+        str(directory),
+        str(out),
+        "--names",
+        GPT2_MAP,
+        "--max-shard-size",
+        "100KB",
+    )
+    assert "exported step 1: 28 tensors" in proc.stdout
+    assert (out / "model.safetensors.index.json").exists()
+    again = run_python("-m", "jaxckpt", "export", str(directory), str(out), check=False)
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines() == [
+        f"jaxckpt: error: {out} exists and is not empty; choose another directory or pass overwrite=True"
+    ]
+
+
+def test_transformers_checkpoint_loads_onto_a_mesh(mesh, tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_json(CFG))).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+    params = nnx.state(nnx.eval_shape(lambda: GPT2(CFG, nnx.Rngs(0))), nnx.Param)
+
+    def spec(x):  # shard the big matrices on "model", replicate the rest
+        return P(None, "model") if len(x.shape) == 2 and x.shape[1] % 2 == 0 else P()
+
+    target = jaxckpt.target_on_mesh(params, mesh, jax.tree.map(spec, params))
+    loaded = jaxckpt.load_safetensors(tmp_path, target, names=GPT2_MAP)
+    kernel = loaded["h"][0]["attn"]["c_attn"]["kernel"].value
+    assert kernel.sharding == NamedSharding(mesh, P(None, "model"))
+    model = GPT2(CFG, nnx.Rngs(1))
+    nnx.update(model, loaded)
+    np.testing.assert_allclose(np.asarray(model(TOKENS)), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+STACKED_MAP = {
+    "include": r"^params\.",
+    "rules": [
+        {
+            "match": r"^params\.layers\.up\.kernel$",
+            "name": "model.layers.{i}.mlp.up_proj.weight",
+            "split": 0,
+            "transpose": [1, 0],
+        },
+        {"match": r"^params\.layers\.norm$", "name": "model.layers.{i}.norm.weight", "split": 0},
+        {"match": r"^params\.embed$", "name": "model.embed_tokens.weight"},
+        {"match": r"^params\.skip$", "drop": True},
+    ],
+}
+
+
+def test_split_stacked_layers_and_transpose_round_trip(mesh, tmp_path):
+    rng = np.random.default_rng(1)
+    state = {
+        "params": {
+            "layers": {
+                "up": {"kernel": rng.standard_normal((3, 8, 16), np.float32)},
+                "norm": np.ones((3, 8), np.float32),
+            },
+            "embed": rng.standard_normal((32, 8), np.float32),
+            "skip": np.zeros(4, np.float32),
+        },
+        "opt_state": {"mu": np.ones(5, np.float32)},
+    }
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    result = jaxckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", names=STACKED_MAP)
+    tensors = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(tensors) == sorted(
+        [f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)]
+        + [f"model.layers.{i}.norm.weight" for i in range(3)]
+        + ["model.embed_tokens.weight"]
+    )
+    np.testing.assert_array_equal(
+        tensors["model.layers.1.mlp.up_proj.weight"], state["params"]["layers"]["up"]["kernel"][1].T
+    )
+    assert result.tensors == 7
+
+    target = {
+        "params": {
+            "layers": {
+                "up": {
+                    "kernel": jax.ShapeDtypeStruct(
+                        (3, 8, 16),
+                        np.float32,
+                        sharding=NamedSharding(mesh, P(None, "data", "model")),
+                    )
+                },
+                "norm": np.zeros((3, 8), np.float32),
+            },
+            "embed": jax.ShapeDtypeStruct(
+                (32, 8), np.float32, sharding=NamedSharding(mesh, P("data"))
+            ),
+        }
+    }
+    loaded = jaxckpt.load_safetensors(tmp_path / "hf", target, names=STACKED_MAP)
+    np.testing.assert_array_equal(
+        np.asarray(loaded["params"]["layers"]["up"]["kernel"]),
+        state["params"]["layers"]["up"]["kernel"],
+    )
+    np.testing.assert_array_equal(
+        loaded["params"]["layers"]["norm"], state["params"]["layers"]["norm"]
+    )
+    np.testing.assert_array_equal(np.asarray(loaded["params"]["embed"]), state["params"]["embed"])
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    state = {
+        "a": {"w": np.ones((2, 3), np.float32)},
+        "b": {"w": np.zeros(3, np.float32)},
+        "key": jax.random.key(0),
+    }
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    return tmp_path / "ckpt"
+
+
+def test_two_leaves_on_one_name(small_checkpoint, tmp_path):
+    names = {"rules": [{"match": r"\.w$", "name": "weight"}, {"match": "^key", "drop": True}]}
+    with pytest.raises(
+        errors.NameMapError, match=r"leaves 'a\.w' and 'b\.w' both map to the tensor 'weight'"
+    ):
+        jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out", names=names)
+    assert not (tmp_path / "out").exists()
+
+
+def test_names_the_map_cannot_place(small_checkpoint, tmp_path):
+    names = {"rules": [{"match": r"^a\.w$", "name": "x"}]}
+    with pytest.raises(
+        errors.NameMapError, match=r"no name-map rule places these leaves: 'b\.w', 'key'"
+    ):
+        jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out", names=names)
+
+
+def test_keys_are_skipped_with_a_note_or_refused(small_checkpoint, tmp_path, caplog):
+    result = jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
+    assert result.skipped == ("key",) and result.tensors == 2
+    assert "skipping key (a PRNG key" in caplog.text
+    with pytest.raises(
+        errors.UnsupportedValueError, match=r"PRNG key leaves cannot be safetensors: \['key'\]"
+    ):
+        jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out2", skip_unsupported=False)
+
+
+def test_non_string_metadata(small_checkpoint, tmp_path):
+    with pytest.raises(
+        errors.UnsupportedValueError, match=r"__metadata__ maps strings to strings.*'epoch': 3"
+    ):
+        jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out", metadata={"epoch": 3})
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_existing_output_is_refused_and_untouched_unless_overwrite(small_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(errors.OutputExistsError, match="exists and is not empty"):
+        jaxckpt.export_safetensors(small_checkpoint, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    jaxckpt.export_safetensors(small_checkpoint, out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+
+
+def test_corrupt_or_truncated_files_on_import(small_checkpoint, tmp_path):
+    jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
+    good = (tmp_path / "out" / "model.safetensors").read_bytes()
+    target = {"a": {"w": np.zeros((2, 3), np.float32)}, "b": {"w": np.zeros(3, np.float32)}}
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(good[:-4])
+    with pytest.raises(errors.FormatError, match="truncated or corrupt"):
+        jaxckpt.load_safetensors(bad, target)
+    bad.write_bytes(struct.pack("<Q", 40) + b"{not json" + b" " * 31 + good[48:])
+    with pytest.raises(errors.FormatError, match="not valid JSON"):
+        jaxckpt.load_safetensors(bad, target)
+    bad.write_bytes(struct.pack("<Q", 10**12) + good[8:])
+    with pytest.raises(errors.FormatError, match="does not fit the file"):
+        jaxckpt.load_safetensors(bad, target)
+
+
+def test_missing_extra_and_mismatched_tensors_on_import(small_checkpoint, tmp_path):
+    jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
+    path = tmp_path / "out"
+    with pytest.raises(
+        errors.TreeMismatchError, match=r"missing in the files: c\.w.*\n.*not in the target: b\.w"
+    ):
+        jaxckpt.load_safetensors(
+            path, {"a": {"w": np.zeros((2, 3), np.float32)}, "c": {"w": np.zeros(3, np.float32)}}
+        )
+    loaded = jaxckpt.load_safetensors(
+        path, {"a": {"w": np.zeros((2, 3), np.float32)}}, ignore=r"^b\."
+    )
+    np.testing.assert_array_equal(loaded["a"]["w"], np.ones((2, 3)))
+    with pytest.raises(
+        errors.LeafMismatchError, match=r"a\.w: shape \(2, 3\) in the file, \(3, 2\) expected"
+    ):
+        jaxckpt.load_safetensors(
+            path, {"a": {"w": np.zeros((3, 2), np.float32)}, "b": {"w": np.zeros(3, np.float32)}}
+        )
+    with pytest.raises(
+        errors.LeafMismatchError, match=r"a\.w: dtype float32 in the file, int32 in the target"
+    ):
+        jaxckpt.load_safetensors(
+            path, {"a": {"w": np.zeros((2, 3), np.int32)}, "b": {"w": np.zeros(3, np.float32)}}
+        )
+    with pytest.raises(errors.MissingShardingError, match=r"\['a'\]\['w'\] has no sharding"):
+        jaxckpt.load_safetensors(
+            path,
+            {
+                "a": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)},
+                "b": {"w": np.zeros(3, np.float32)},
+            },
+        )
