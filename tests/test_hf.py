@@ -298,3 +298,66 @@ def test_missing_extra_and_mismatched_tensors_on_import(small_checkpoint, tmp_pa
                 "b": {"w": np.zeros(3, np.float32)},
             },
         )
+
+
+def test_llama_map_round_trips_through_a_stacked_tree(mesh, tmp_path):
+    # transformers' Llama -> load onto a scanned (stacked-layer) JAX tree with the shipped map
+    # -> save with jaxckpt -> export with the same map -> transformers: the same logits.
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+
+    L, d, f, v, kv = 3, 32, 64, 128, 2 * 8
+
+    def leaf(*shape, spec=None):
+        sharding = NamedSharding(mesh, spec or P())
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+
+    def value(x):
+        return {"value": x}
+
+    target = {
+        "embed": {"embedding": value(leaf(v, d, spec=P("model")))},
+        "layers": {
+            "attn": {
+                "q_proj": {"kernel": value(leaf(L, d, d, spec=P(None, None, "model")))},
+                "k_proj": {"kernel": value(leaf(L, d, kv))},
+                "v_proj": {"kernel": value(leaf(L, d, kv))},
+                "o_proj": {"kernel": value(leaf(L, d, d, spec=P(None, "model")))},
+            },
+            "mlp": {
+                "gate_proj": {"kernel": value(leaf(L, d, f, spec=P(None, "data", "model")))},
+                "up_proj": {"kernel": value(leaf(L, d, f))},
+                "down_proj": {"kernel": value(leaf(L, f, d))},
+            },
+            "input_norm": {"scale": value(leaf(L, d))},
+            "post_attention_norm": {"scale": value(leaf(L, d))},
+        },
+        "norm": {"scale": value(leaf(d))},
+        "lm_head": {"kernel": value(leaf(d, v, spec=P(None, "model")))},
+    }
+    llama_map = "configs/hf/llama.yaml"
+    state = jaxckpt.load_safetensors(tmp_path / "hf", target, names=llama_map)
+    up = hf.model.layers[2].mlp.up_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(
+        np.asarray(state["layers"]["mlp"]["up_proj"]["kernel"]["value"][2]), up.T
+    )
+
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(7, state=state)
+    jaxckpt.export_safetensors(
+        tmp_path / "ckpt", tmp_path / "out", names=llama_map, max_shard_size="30KB"
+    )
+    (tmp_path / "out" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_array_equal(hf_logits(again), hf_logits(hf))
