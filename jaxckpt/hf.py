@@ -58,7 +58,7 @@ _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
     out_dir: Path
-    step: int
+    step: int | None  # None for a live export (save_safetensors)
     files: tuple[str, ...]
     tensors: int
     total_size: int
@@ -249,6 +249,140 @@ def _write(out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# ------------------------------------------------------------------------- live (in-job) export
+
+
+def save_safetensors(
+    state: Any,
+    out_dir: str | os.PathLike,
+    *,
+    names: NameMap | str | os.PathLike | Mapping | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    skip_unsupported: bool = True,
+) -> ExportResult:
+    """Writes a live (sharded) state as HF safetensors from inside a training job.
+
+    Every process calls it with the same arguments. The file layout follows from names,
+    dtypes and shapes alone, so process 0 writes the headers and sizes the files, then each
+    process writes the bytes of its own shards at their offsets (one replica per shard, no
+    all-gather), and process 0 writes the index last and renames the directory into place.
+    `out_dir` must be on storage every process sees. Arguments as for `export_safetensors`.
+    """
+    from jax.experimental import multihost_utils
+
+    out_dir = Path(out_dir)
+    primary = jax.process_index() == 0
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    cast = np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
+    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
+    targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
+    skipped = [t.leaf for t in targets if _is_key(leaves[t.leaf])]
+    if skipped and not skip_unsupported:
+        raise UnsupportedValueError(f"PRNG key leaves cannot be safetensors: {skipped}")
+    targets = [t for t in targets if t.leaf not in skipped]
+
+    planned: list[Planned] = []
+    for target in targets:
+        leaf = leaves[target.leaf]
+        dt = np.dtype(leaf.dtype)
+        dt = cast if cast is not None and _is_float(dt) else dt
+        shape = _file_shape(target, np.shape(leaf))
+        planned += [(name, dt, shape, lambda: None) for name in target.names]
+    files = _pack(planned, parse_size(max_shard_size))
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-live")
+    file_metadata = {"format": "pt", **(metadata or {})}
+    layouts = {f: st.encode_header([t[:3] for t in g], file_metadata) for f, g in files.items()}
+    where = {t[0]: (f, layouts[f][1][t[0]], t[2]) for f, g in files.items() for t in g}
+
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f, (head, _) in layouts.items():
+            with open(tmp / f, "wb") as out:
+                out.write(head)
+                out.truncate(len(head) + sum(st.nbytes(t[1], t[2]) for t in files[f]))
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:files")
+    fds: dict[str, int] = {}
+    try:
+        for target in targets:
+            dt = next(t[1] for t in planned if t[0] == target.names[0])
+            for index, data in _local_pieces(leaves[target.leaf], primary):
+                for tensor, region, piece in _to_tensors(target, index, data):
+                    f, offset, shape = where[tensor]
+                    if f not in fds:
+                        fds[f] = os.open(tmp / f, os.O_WRONLY)
+                    st.write_region(fds[f], offset, shape, region, piece.astype(dt, copy=False))
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:written")
+    if primary:
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": sum(st.nbytes(t[1], t[2]) for t in planned)},
+                "weight_map": {t[0]: f for f, g in files.items() for t in g},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
+    total = sum(st.nbytes(t[1], t[2]) for t in planned)
+    return ExportResult(out_dir, None, tuple(files), len(planned), total, tuple(skipped))
+
+
+def _is_key(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _local_pieces(leaf: Any, primary: bool):
+    """(index with concrete bounds, host data) of the shards this process writes: one
+    replica of each shard, copied to the host one at a time."""
+    if isinstance(leaf, jax.Array):
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                index = tuple(
+                    slice(*s.indices(n)[:2]) for s, n in zip(shard.index, leaf.shape, strict=True)
+                )
+                yield index, np.asarray(shard.data)
+    elif primary:  # NumPy arrays and scalars: process 0 writes them
+        value = np.asarray(leaf)
+        yield tuple(slice(None) for _ in value.shape), value
+
+
+def _to_tensors(target: Target, index: tuple[slice, ...], data: np.ndarray):
+    """Maps a piece of a leaf onto its file tensors: (tensor name, region, data)."""
+    pieces = []
+    if target.split is None:
+        pieces.append((target.names[0], index, data))
+    else:
+        axis = target.split
+        start = index[axis].start
+        rest = index[:axis] + index[axis + 1 :]
+        for j in range(data.shape[axis]):
+            pieces.append((target.names[start + j], rest, np.take(data, j, axis=axis)))
+    if target.transpose is not None:
+        pieces = [
+            (n, tuple(r[a] for a in target.transpose), d.transpose(target.transpose))
+            for n, r, d in pieces
+        ]
+    return pieces
 
 
 # ------------------------------------------------------------------------------------ import

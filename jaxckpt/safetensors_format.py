@@ -71,15 +71,11 @@ def nbytes(dtype: np.dtype, shape: Iterable[int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def write_file(
-    path: Path,
-    tensors: list[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
+def encode_header(
+    tensors: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
     metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
-
-    The file is fsynced before returning.
-    """
+) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (length + JSON header) and each tensor's absolute offset."""
     header: dict[str, object] = {}
     if metadata:
         bad = {
@@ -91,20 +87,34 @@ def write_file(
                 "Convert the values with str() or json.dumps()."
             )
         header["__metadata__"] = dict(metadata)
-    offset = 0
-    for name, dtype, shape, _ in tensors:
+    offset, offsets = 0, {}
+    for name, dtype, shape in tensors:
         size = nbytes(dtype, shape)
         header[name] = {
             "dtype": dtype_code(dtype, f"tensor {name!r}"),
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
+        offsets[name] = offset
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+    start = 8 + len(encoded)
+    return struct.pack("<Q", len(encoded)) + encoded, {n: start + o for n, o in offsets.items()}
+
+
+def write_file(
+    path: Path,
+    tensors: list[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
+
+    The file is fsynced before returning.
+    """
+    head, _ = encode_header([t[:3] for t in tensors], metadata)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+        f.write(head)
         for name, dtype, shape, produce in tensors:
             array = np.ascontiguousarray(produce(), dtype=dtype)
             if array.shape != tuple(shape):
@@ -114,6 +124,31 @@ def write_file(
             f.write(array.reshape(-1).view(np.uint8).data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_region(
+    fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
+) -> None:
+    """Writes `data` = tensor[index] into an open file holding the tensor at `offset`.
+
+    Each contiguous run of the tensor's C-order layout is one `pwrite`; a slice that spans
+    whole trailing dimensions is one run.
+    """
+    data = np.ascontiguousarray(data)
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
+    k = len(shape)  # the first axis from which the slice covers whole trailing dimensions
+    while k > 0 and data.shape[k - 1] == shape[k - 1]:
+        k -= 1
+    k = max(k - 1, 0)
+    strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
+    for outer in np.ndindex(*data.shape[:k]):
+        element = sum((starts[j] + outer[j]) * strides[j] for j in range(k))
+        if k < len(shape):
+            element += starts[k] * strides[k]
+        run = data[outer].reshape(-1).view(np.uint8)
+        os.pwrite(fd, run.data, offset + element * data.dtype.itemsize)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

@@ -361,3 +361,66 @@ def test_llama_map_round_trips_through_a_stacked_tree(mesh, tmp_path):
     (tmp_path / "out" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     np.testing.assert_array_equal(hf_logits(again), hf_logits(hf))
+
+
+LIVE = """
+from jax.sharding import NamedSharding, PartitionSpec as P
+rng = np.random.default_rng(0)
+W = rng.standard_normal((8, 6), dtype=np.float32)
+S = rng.standard_normal((3, 4, 6), dtype=np.float32)
+mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+def put(x, spec):
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+state = {
+    "w": put(W, P("data", "model")),
+    "col": put(W, P(None, "model")),
+    "rep": put(W, P()),
+    "stack": put(S, P(None, "model", None)),
+    "n": np.arange(3),
+}
+names = {"rules": [
+    {"match": "^stack$", "name": "layers.{i}.w", "split": 0, "transpose": [1, 0]},
+    {"match": "^(w|col|rep|n)$", "name": r"\\1"},
+]}
+result = jaxckpt.save_safetensors(state, ARGS["out"], names=names, max_shard_size="300B")
+print("RESULT " + json.dumps({"files": list(result.files)}))
+"""
+
+
+def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
+    from multihost import run_job
+
+    out = tmp_path / "hf"
+    results = run_job(LIVE, processes=2, devices=4, args={"out": str(out)})
+    files = results[0].report()["files"]
+    assert len(files) > 1 and results[1].report()["files"] == files
+    tensors = {}
+    for f in files:
+        tensors |= safetensors.numpy.load_file(out / f)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 6), dtype=np.float32)
+    s = rng.standard_normal((3, 4, 6), dtype=np.float32)
+    for name in ("w", "col", "rep"):
+        np.testing.assert_array_equal(tensors[name], w)
+    np.testing.assert_array_equal(tensors["n"], np.arange(3))
+    for i in range(3):
+        np.testing.assert_array_equal(tensors[f"layers.{i}.w"], s[i].T)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    assert not list(tmp_path.glob(".hf.tmp-*"))
+
+
+def test_live_export_of_a_sharded_model_loads_in_transformers(mesh, tmp_path):
+    model = GPT2(CFG, nnx.Rngs(3))
+    state = nnx.state(model)
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "model") if x.ndim == 2 else P())),
+        state,
+    )
+    result = jaxckpt.save_safetensors(sharded, tmp_path, names=GPT2_MAP, max_shard_size="80KB")
+    assert result.step is None and len(result.files) > 1
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_json(CFG)))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    np.testing.assert_allclose(hf_logits(hf), np.asarray(model(TOKENS)), atol=1e-4, rtol=0)
