@@ -229,26 +229,31 @@ def _write(out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: 
     try:
         for file_name, tensors in files.items():
             st.write_file(tmp / file_name, tensors, metadata)
-        if len(files) > 1:  # the index last: its presence means the export is complete
-            index = {
-                "metadata": {
-                    "total_size": sum(st.nbytes(t[1], t[2]) for g in files.values() for t in g)
-                },
-                "weight_map": {t[0]: f for f, g in files.items() for t in g},
-            }
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            if any(out_dir.iterdir()) and not overwrite:
-                raise OutputExistsError(f"{out_dir} became non-empty during the export")
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        _publish(tmp, out_dir, files, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite: bool) -> None:
+    """Writes the index (last: its presence means complete) and renames `tmp` into place."""
+    if len(files) > 1:
+        index = {
+            "metadata": {
+                "total_size": sum(st.nbytes(t[1], t[2]) for g in files.values() for t in g)
+            },
+            "weight_map": {t[0]: f for f, g in files.items() for t in g},
+        }
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    if any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out_dir} became non-empty during the export")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------- live (in-job) export
@@ -329,19 +334,7 @@ def save_safetensors(
             os.close(fd)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:written")
     if primary:
-        if len(files) > 1:
-            index = {
-                "metadata": {"total_size": sum(st.nbytes(t[1], t[2]) for t in planned)},
-                "weight_map": {t[0]: f for f, g in files.items() for t in g},
-            }
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        _publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
     total = sum(st.nbytes(t[1], t[2]) for t in planned)
     return ExportResult(out_dir, None, tuple(files), len(planned), total, tuple(skipped))
