@@ -12,13 +12,14 @@ when every item is written, so a step directory exists only once committed):
         rng/                        PRNG keys as raw key data (only when rng= was given)
         data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
         jaxckpt/jaxckpt.json        leaf specs, user meta, versions: marks a jaxckpt step
+        jaxckpt/manifest.json       size + checksum of every file (see jaxckpt.integrity)
         _CHECKPOINT_METADATA, commit_success.txt   Orbax's own
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from jaxckpt.tree import ReadRequest
 
 STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
 
 
 class _DataStateHandler(ocp.CheckpointHandler):
@@ -81,8 +83,13 @@ class OrbaxStore:
         timeout_s: int = 1200,
         restore_inflight_bytes: int = 128 * 2**20,
         read_only: bool = False,
+        before_commit: Callable[[epath.Path], None] | None = None,
     ):
+        """`before_commit(step_dir)` runs on process 0 once every item of a step is written
+        on every process, just before the step is renamed into place (committed)."""
         self.directory = epath.Path(directory)
+        self._before_commit = before_commit
+        self._saving: int | None = None
         # Orbax's limit on bytes being restored at once bounds the host staging memory.
         arrays = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_inflight_bytes / 1e9)
         if read_only and not self.directory.exists():
@@ -94,7 +101,10 @@ class OrbaxStore:
             # Leftovers of saves that never committed (a killed process) go at start-up;
             # a reader (export, inspect) never deletes anything.
             cleanup_tmp_directories=not read_only,
-            async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+            async_options=ocp.AsyncOptions(
+                timeout_secs=timeout_s,
+                post_finalization_callback=None if read_only else self._on_finalized,
+            ),
         )
         self._mngr = ocp.CheckpointManager(
             self.directory,
@@ -110,7 +120,9 @@ class OrbaxStore:
     def committed_steps(self) -> list[int]:
         """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
         self._mngr.reload()  # re-read the directory: another process may have written
-        return sorted(s for s in self._mngr.all_steps() if self._info_path(s).exists())
+        return sorted(
+            s for s in self._mngr.all_steps() if (self.step_dir(s) / INFO / INFO_FILE).exists()
+        )
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
@@ -134,7 +146,25 @@ class OrbaxStore:
                 args[item] = ocp.args.PyTreeSave(arrays)
         if data is not None:
             args[DATA] = DataSave(data)
+        self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def _on_finalized(self) -> None:
+        # Orbax calls this in its background thread after all items are finalized and
+        # before it renames the step's temporary directory into place.
+        if self._before_commit is None or self._saving is None or jax.process_index() != 0:
+            return
+        tmp = self.directory / f"{self._saving}{TMP_SUFFIX}"
+        self._before_commit(tmp if tmp.exists() else self.step_dir(self._saving))
+
+    def step_dir(self, step: int) -> epath.Path:
+        return self.directory / str(step)
+
+    def step_dirs(self) -> dict[int, epath.Path]:
+        """Every step-named directory, committed or not jaxckpt's (never temporary ones)."""
+        if not self.directory.exists():
+            return {}
+        return {int(p.name): p for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir()}
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
@@ -172,9 +202,6 @@ class OrbaxStore:
 
     def close(self) -> None:
         self._mngr.close()
-
-    def _info_path(self, step: int) -> epath.Path:
-        return self.directory / str(step) / INFO / INFO_FILE
 
 
 def _empty(request: ReadRequest) -> Any:

@@ -65,6 +65,26 @@ class DataStateError(JaxckptError, ValueError):
     """The data-iterator state cannot be saved or restored."""
 
 
+class CorruptCheckpointError(JaxckptError, OSError):
+    """A step's files do not match its manifest, or its metadata is unreadable."""
+
+    def __init__(self, step: int, problems: Sequence[str], directory: str):
+        self.step = step
+        self.problems = list(problems)
+        listing = "; ".join(self.problems[:10]) + (" ..." if len(self.problems) > 10 else "")
+        super().__init__(
+            f"step {step} in {directory} is corrupt: {listing}. Restore another step, or pass "
+            "fallback=True to restore the newest step that verifies."
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class LockedError(JaxckptError, BlockingIOError):
+    """Another live process holds the directory for writing."""
+
+
 class NameMapError(JaxckptError, ValueError):
     """A name map cannot place a leaf, or places two leaves on one tensor name."""
 

@@ -28,9 +28,10 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _orbax
+from jaxckpt import _orbax, integrity
 from jaxckpt.errors import (
     ConfigError,
+    CorruptCheckpointError,
     DataStateError,
     NoCheckpointError,
     SaveError,
@@ -38,6 +39,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
     TreeMismatchError,
 )
+from jaxckpt.lock import WriterLock
 from jaxckpt.plan import RestorePlan, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
@@ -80,6 +82,9 @@ class CheckpointManager:
       timeout_s: how long a background save may take, barriers between processes included.
       restore_inflight_bytes: at most this many bytes are being read at once during a
         restore, which bounds its host staging memory (see `plan`).
+      verify_on_restore: check a step's files against its manifest before restoring it.
+      read_only: a reader: takes no writer lock, installs no signal handler, deletes
+        nothing, and refuses `save`.
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
@@ -95,6 +100,8 @@ class CheckpointManager:
         clock: Callable[[], float] = time.monotonic,
         timeout_s: int = 1200,
         restore_inflight_bytes: int = 128 * 2**20,
+        verify_on_restore: bool = True,
+        read_only: bool = False,
     ):
         if not isinstance(policy, SavePolicy):
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
@@ -106,10 +113,28 @@ class CheckpointManager:
             raise ConfigError(
                 f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
             )
-        self._store = _orbax.OrbaxStore(
-            directory, timeout_s=timeout_s, restore_inflight_bytes=restore_inflight_bytes
-        )
+        self._read_only = read_only
+        self._verify = verify_on_restore
+        self._lock = None
+        if not read_only and jax.process_index() == 0 and "://" not in str(directory):
+            # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
+            self._lock = WriterLock(directory)
+            self._lock.acquire()
+        try:
+            self._store = _orbax.OrbaxStore(
+                directory,
+                timeout_s=timeout_s,
+                restore_inflight_bytes=restore_inflight_bytes,
+                read_only=read_only,
+                before_commit=None if read_only else integrity.write_manifest,
+            )
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
         self._restore_inflight_bytes = restore_inflight_bytes
+        if read_only:
+            preemption = PreemptionPolicy(enabled=False)
         self._preemption = PreemptionWatcher(preemption)
         self._policy = policy
         self._retention = retention
@@ -178,6 +203,8 @@ class CheckpointManager:
           meta: JSON-serialisable run metadata (config, metrics, ...).
         """
         self._check_open()
+        if self._read_only:
+            raise ConfigError("this CheckpointManager was opened with read_only=True")
         step = _check_step(step)
         if meta is not None:
             check_json(meta)
@@ -233,6 +260,8 @@ class CheckpointManager:
             self._closed = True
             self._preemption.close()
             self._store.close()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -250,11 +279,15 @@ class CheckpointManager:
         rng: Any = None,
         data: Any = None,
         partial: bool = False,
+        fallback: bool = False,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
         A save of this manager still in flight is waited for first (and its failure raised),
-        so a process always sees its own saves.
+        so a process always sees its own saves. With `verify_on_restore` (the default) the
+        step's files are checked against its manifest first; a corrupt step raises
+        `CorruptCheckpointError`, or, with `fallback=True` and `step=None`, is skipped (and
+        logged) for the newest step that verifies.
 
         Args:
           step: the step to restore, or None for the latest committed step.
@@ -268,9 +301,68 @@ class CheckpointManager:
             after everything else was read successfully.
           partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
             of a saved `{"params", "opt_state"}`); the rest is not read.
+          fallback: with `step=None`, move to older steps while the newest does not verify.
         """
         self._check_open()
-        step, info = self._resolve(step)
+        skipped = []
+        for candidate in self._candidates(step, fallback):
+            try:
+                info = self._checked_info(candidate, verify=self._verify)
+                return self._restore_step(candidate, info, state, rng, data, partial)
+            except CorruptCheckpointError as e:
+                if not fallback or step is not None:
+                    raise
+                log.warning("restore: skipping step %d: %s", candidate, "; ".join(e.problems))
+                skipped.append(f"step {candidate}: {'; '.join(e.problems)}")
+        raise NoCheckpointError(
+            f"no committed step in {self.directory} verifies: {' | '.join(skipped)}"
+        )
+
+    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
+        """The steps to try, newest first; damaged step folders are reported, not tried."""
+        self._finish_pending()
+        steps = self._store.committed_steps()
+        damaged = {
+            s: problem
+            for s, path in self._store.step_dirs().items()
+            if s not in steps and (problem := integrity.damage(path))
+        }
+        if step is not None:
+            step = _check_step(step)
+            if step in damaged:
+                raise CorruptCheckpointError(step, [damaged[step]], str(self.directory))
+            if step not in steps:
+                raise StepNotFoundError(step, steps, str(self.directory))
+            return [step]
+        if not steps:
+            raise NoCheckpointError(
+                f"no committed checkpoint in {self.directory}; nothing to restore. "
+                "Check the path, or start from scratch when latest_step() is None."
+            )
+        for s in sorted(damaged):
+            if s > steps[-1]:
+                log.warning("restore: step folder %d is damaged (%s); ignoring it", s, damaged[s])
+        log.info("restoring the latest committed step %d from %s", steps[-1], self.directory)
+        return sorted(steps, reverse=True) if fallback else [steps[-1]]
+
+    def _checked_info(self, step: int, *, verify: bool) -> dict:
+        """The step's jaxckpt metadata, after checking its files if `verify`."""
+        if verify:
+            report = integrity.verify_step(self._store.step_dir(step), step)
+            if not report.ok:
+                raise CorruptCheckpointError(step, report.problems, str(self.directory))
+        try:
+            info = self._store.read_info(step)
+            info["items"][_orbax.STATE]  # every step has these keys: fail here if not
+            return info
+        except Exception as e:
+            raise CorruptCheckpointError(
+                step,
+                [f"jaxckpt/jaxckpt.json is unreadable: {type(e).__name__}: {e}"],
+                str(self.directory),
+            ) from None
+
+    def _restore_step(self, step, info, state, rng, data, partial) -> Restored:
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
@@ -299,26 +391,11 @@ class CheckpointManager:
                     0    1.00 GiB    1.00 GiB          1.25 GiB
         """
         self._check_open()
-        step, info = self._resolve(step)
+        (step,) = self._candidates(step, fallback=False)
+        info = self._checked_info(step, verify=False)
         specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
         requests, _ = plan_restore(state, specs, item=_orbax.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
-
-    def _resolve(self, step: int | None) -> tuple[int, dict]:
-        """The committed step to read (None: the latest) and its jaxckpt metadata."""
-        self._finish_pending()
-        steps = self._store.committed_steps()
-        if step is None:
-            if not steps:
-                raise NoCheckpointError(
-                    f"no committed checkpoint in {self.directory}; nothing to restore. "
-                    "Check the path, or start from scratch when latest_step() is None."
-                )
-            step = steps[-1]
-            log.info("using the latest committed step %d from %s", step, self.directory)
-        elif _check_step(step) not in steps:
-            raise StepNotFoundError(step, steps, str(self.directory))
-        return step, self._store.read_info(step)
 
     def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
         if target is None:

@@ -161,7 +161,13 @@ def test_retention_applied_by_the_manager(ckpt_dir):
             restored = m.restore(step, state={"x": np.zeros(3, np.int32)})
             np.testing.assert_array_equal(restored.state["x"], np.full(3, step, np.int32))
             assert restored.meta == {"step": step}
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["10", "4", "8", "9"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
+        ".jaxckpt-writer.lock",
+        "10",
+        "4",
+        "8",
+        "9",
+    ]
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         assert m.all_steps() == [4, 8, 9, 10]
 
@@ -170,7 +176,7 @@ def test_retention_is_applied_on_close(ckpt_dir):
     with jaxckpt.CheckpointManager(ckpt_dir, retention=RetentionPolicy(keep_last=1)) as m:
         m.save(1, state=STATE)
         m.save(2, state=STATE)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [".jaxckpt-writer.lock", "2"]
 
 
 def test_retention_spans_managers(ckpt_dir):
@@ -222,7 +228,9 @@ def test_folders_jaxckpt_did_not_write_are_never_listed_nor_deleted(ckpt_dir):
         np.testing.assert_array_equal(m.restore().state["x"], np.full(2, 11))
 
     names = sorted(p.name for p in ckpt_dir.iterdir())
-    assert names == sorted(["3", "4", "7", "8", "10", "11", "50", "README", "notes"])
+    assert names == sorted(
+        [".jaxckpt-writer.lock", "3", "4", "7", "8", "10", "11", "50", "README", "notes"]
+    )
     for name, files in foreign.items():
         assert _tree(ckpt_dir / name) == files, name
     assert (ckpt_dir / "7" / "keep.txt").read_text() == "mine"
@@ -235,6 +243,6 @@ def test_folders_jaxckpt_did_not_write_are_never_listed_nor_deleted(ckpt_dir):
         m.wait()
         assert m.all_steps() == [12]
     names = sorted(p.name for p in ckpt_dir.iterdir())
-    assert names == sorted(["3", "7", "12", "50", "README", "notes"])
+    assert names == sorted([".jaxckpt-writer.lock", "3", "7", "12", "50", "README", "notes"])
     for name, files in foreign.items():
         assert _tree(ckpt_dir / name) == files, name

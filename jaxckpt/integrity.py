@@ -1,0 +1,139 @@
+"""Integrity manifests: a checksum of every file of a step, written inside the commit.
+
+Just before Orbax renames a finished step into place (its `post_finalization_callback`,
+after every item is written on every process), process 0 hashes every file of the step with
+xxHash's XXH3-128 (python-xxhash) and writes `jaxckpt/manifest.json`. So a committed step
+always carries its manifest, and `verify` can tell exactly which file is missing, truncated
+or changed. Two step-root files are left out because Orbax itself rewrites them during the
+rename, after the manifest: `_CHECKPOINT_METADATA` (commit timestamp) and `commit_success.txt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+
+import xxhash
+from etils import epath
+
+MANIFEST_DIR = "jaxckpt"
+MANIFEST_FILE = "manifest.json"
+HASH = "xxh3_128"
+_CHUNK = 8 * 2**20
+_ORBAX_COMMIT_FILES = {"_CHECKPOINT_METADATA", "commit_success.txt"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """The result of verifying one step."""
+
+    step: int
+    files: int
+    bytes: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _files(root: epath.Path) -> Iterator[str]:
+    """Relative paths of every file below `root` (the manifest and Orbax's commit files
+    excluded)."""
+    stack = [root]
+    while stack:
+        for path in sorted(stack.pop().iterdir()):
+            rel = str(path.relative_to(root))
+            if path.is_dir():
+                stack.append(path)
+            elif rel not in _ORBAX_COMMIT_FILES and rel != f"{MANIFEST_DIR}/{MANIFEST_FILE}":
+                yield rel
+
+
+def _digest(path: epath.Path) -> tuple[int, str]:
+    h, size = xxhash.xxh3_128(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)  # releases the GIL: hashing does not stall the training thread
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_manifest(step_dir: epath.Path) -> None:
+    files = {}
+    for rel in _files(step_dir):
+        size, digest = _digest(step_dir / rel)
+        files[rel] = {"size": size, HASH: digest}
+    doc = {"format": 1, "hash": f"{HASH} (python-xxhash {xxhash.VERSION})", "files": files}
+    (step_dir / MANIFEST_DIR).mkdir(exist_ok=True)
+    (step_dir / MANIFEST_DIR / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def verify_step(step_dir: epath.Path, step: int) -> StepReport:
+    """Checks every file of a step against its manifest; never raises for bad data."""
+    manifest_path = step_dir / MANIFEST_DIR / MANIFEST_FILE
+    try:
+        listed = json.loads(manifest_path.read_text())["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("'files' is not an object")
+    except FileNotFoundError:
+        return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is missing",))
+    except (ValueError, KeyError, TypeError) as e:
+        return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is unreadable: {e}",))
+    problems, total = [], 0
+    present = set(_files(step_dir))
+    for rel, expected in sorted(listed.items()):
+        if rel not in present:
+            problems.append(f"{rel}: missing")
+            continue
+        try:
+            size, digest = _digest(step_dir / rel)
+        except OSError as e:
+            problems.append(f"{rel}: unreadable ({e})")
+            continue
+        total += size
+        if size != expected.get("size"):
+            problems.append(
+                f"{rel}: {size} bytes, {expected.get('size')} expected (truncated or grown)"
+            )
+        elif digest != expected.get(HASH):
+            problems.append(f"{rel}: contents changed (checksum mismatch)")
+    problems += [f"{rel}: not in the manifest" for rel in sorted(present - set(listed))]
+    return StepReport(step, len(listed), total, tuple(problems))
+
+
+def verify(directory: str | epath.PathLike, step: int | None = None) -> list[StepReport]:
+    """Verifies every committed step (or one) of a checkpoint directory; reads, never writes.
+
+    Also reports step folders that look like damaged jaxckpt steps: empty, or holding a
+    `jaxckpt/` folder without its metadata. Folders jaxckpt did not write are not judged.
+    """
+    from jaxckpt import _orbax
+    from jaxckpt.errors import StepNotFoundError
+
+    store = _orbax.OrbaxStore(directory, read_only=True)
+    try:
+        committed = set(store.committed_steps())
+        reports = []
+        for s, path in sorted(store.step_dirs().items()):
+            if step is not None and s != step:
+                continue
+            if s in committed:
+                reports.append(verify_step(path, s))
+            elif problem := damage(path):
+                reports.append(StepReport(s, 0, 0, (problem,)))
+        if step is not None and not reports:
+            raise StepNotFoundError(step, sorted(committed), str(store.directory))
+        return reports
+    finally:
+        store.close()
+
+
+def damage(step_dir: epath.Path) -> str | None:
+    """Why a step folder that is not a committed jaxckpt step looks like a damaged one."""
+    if not any(step_dir.iterdir()):
+        return "empty step directory"
+    if (step_dir / MANIFEST_DIR).exists():
+        return f"{MANIFEST_DIR}/jaxckpt.json is missing: the step's metadata is gone"
+    return None
