@@ -8,6 +8,8 @@ from jaxckpt.hf import ExportResult as ExportResult
 from jaxckpt.hf import export_safetensors as export_safetensors
 from jaxckpt.hf import load_safetensors as load_safetensors
 from jaxckpt.hf import save_safetensors as save_safetensors
+from jaxckpt.integrity import StepReport as StepReport
+from jaxckpt.integrity import verify as verify
 from jaxckpt.manager import CheckpointManager as CheckpointManager
 from jaxckpt.manager import Restored as Restored
 from jaxckpt.names import NameMap as NameMap

@@ -60,3 +60,34 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
         f"exported step {result.step}: {result.tensors} tensors, {result.total_size:,} bytes "
         f"in {len(result.files)} file(s) to {result.out_dir}"
     )
+
+
+@main.command()
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False))
+@click.option("--step", type=int, help="Verify only this step.")
+def verify(checkpoint_dir, step) -> None:
+    """Check every file of every step against its manifest; exit 1 on any problem."""
+    from pathlib import Path
+
+    from jaxckpt.errors import NoCheckpointError
+    from jaxckpt.integrity import verify as verify_dir
+
+    if not Path(checkpoint_dir).is_dir():
+        raise FileNotFoundError(f"{checkpoint_dir} is not a directory")
+    reports = verify_dir(checkpoint_dir, step)
+    if not reports:
+        raise NoCheckpointError(f"no committed checkpoint in {checkpoint_dir}")
+    for r in reports:
+        if r.ok:
+            click.echo(f"step {r.step}: ok ({r.files} files, {r.bytes:,} bytes)")
+        else:
+            click.echo(f"step {r.step}: CORRUPT")
+            for problem in r.problems:
+                click.echo(f"  {problem}")
+    bad = [r.step for r in reports if not r.ok]
+    if bad:
+        click.echo(
+            f"jaxckpt: error: {len(bad)} of {len(reports)} steps failed verification: {bad}",
+            err=True,
+        )
+        sys.exit(1)

@@ -1,0 +1,172 @@
+"""Integrity: manifests, verify, corruption detected by verify and by restore, one writer."""
+
+import json
+import logging
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from conftest import REPO, run_python
+from jaxckpt import errors
+
+BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
+
+
+class Iterator:
+    def __init__(self, position=0):
+        self.position = position
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+@pytest.fixture
+def two_steps(ckpt_dir):
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        for step in (1, 2):
+            m.save(step, state={"w": BIG + step, "b": np.ones(3) * step}, data=Iterator(step))
+    return ckpt_dir
+
+
+def largest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_every_committed_step_carries_a_manifest_that_verifies(two_steps):
+    reports = jaxckpt.verify(two_steps)
+    assert [(r.step, r.ok) for r in reports] == [(1, True), (2, True)]
+    manifest = json.loads((two_steps / "2" / "jaxckpt" / "manifest.json").read_text())
+    assert manifest["hash"].startswith("xxh3_128")
+    listed = set(manifest["files"])
+    on_disk = {
+        str(p.relative_to(two_steps / "2")) for p in (two_steps / "2").rglob("*") if p.is_file()
+    }
+    # Everything but the manifest itself and Orbax's own commit files is covered.
+    assert on_disk - listed == {
+        "jaxckpt/manifest.json",
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+    }
+    # verify read every listed byte; the array data is in there (zstd saves ~10% on floats).
+    assert reports[1].bytes == sum(f["size"] for f in manifest["files"].values()) > BIG.nbytes / 2
+    proc = run_python("-m", "jaxckpt", "verify", str(two_steps))
+    assert proc.stdout.splitlines()[0].startswith("step 1: ok (")
+
+
+def truncate(d):
+    f = largest_file(d / "2")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return f"{f.relative_to(d / '2')}: .*truncated"
+
+
+def flip(d):
+    f = largest_file(d / "2")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    return f"{f.relative_to(d / '2')}: contents changed"
+
+
+def delete(d):
+    f = largest_file(d / "2")
+    f.unlink()
+    return f"{f.relative_to(d / '2')}: missing"
+
+
+def garbage_metadata(d):
+    (d / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
+    return "jaxckpt/jaxckpt.json: .*"
+
+
+def manifest_mismatch(d):
+    path = d / "2" / "jaxckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    name = sorted(manifest["files"])[0]
+    manifest["files"][name]["xxh3_128"] = "0" * 32
+    path.write_text(json.dumps(manifest))
+    return f"{name}: contents changed"
+
+
+def missing_metadata(d):
+    (d / "2" / "jaxckpt" / "jaxckpt.json").unlink()
+    return "jaxckpt/jaxckpt.json is missing"
+
+
+def empty_step(d):
+    shutil.rmtree(d / "2")
+    (d / "2").mkdir()
+    return "empty step directory"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [truncate, flip, delete, garbage_metadata, manifest_mismatch, missing_metadata, empty_step],
+)
+def test_corruption_is_detected_by_verify_and_restore(two_steps, corrupt, caplog):
+    expected = corrupt(two_steps)
+    # verify: step 2 named with the file and what is wrong; step 1 fine; exit code 1.
+    reports = {r.step: r for r in jaxckpt.verify(two_steps)}
+    assert reports[1].ok and not reports[2].ok
+    assert any(__import__("re").search(expected, p) for p in reports[2].problems), reports[
+        2
+    ].problems
+    proc = run_python("-m", "jaxckpt", "verify", str(two_steps), check=False)
+    assert proc.returncode == 1 and "step 2: CORRUPT" in proc.stdout
+    assert "1 of 2 steps failed verification: [2]" in proc.stderr
+
+    target = {"w": np.zeros_like(BIG), "b": np.zeros(3)}
+    with jaxckpt.CheckpointManager(two_steps, read_only=True) as m:
+        with pytest.raises(
+            errors.CorruptCheckpointError, match=r"step 2 .* is corrupt: " + expected
+        ):
+            m.restore(2, state=target)
+        with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+            it = Iterator()
+            restored = m.restore(state=target, data=it, fallback=True)
+        assert restored.step == 1 and it.position == 1
+        np.testing.assert_array_equal(restored.state["w"], BIG + 1)
+    assert re.search(r"step (folder )?2", caplog.text)  # the skip or the damaged folder, logged
+
+
+def test_without_fallback_the_latest_corrupt_step_is_an_error(two_steps):
+    flip(two_steps)
+    with (
+        jaxckpt.CheckpointManager(two_steps, read_only=True) as m,
+        pytest.raises(errors.CorruptCheckpointError, match="fallback=True"),
+    ):
+        m.restore(state={"w": np.zeros_like(BIG), "b": np.zeros(3)})
+
+
+def test_one_writer_per_directory(two_steps):
+    with jaxckpt.CheckpointManager(two_steps) as writer:
+        with pytest.raises(errors.LockedError, match=r"is being written by host .* pid \d+"):
+            jaxckpt.CheckpointManager(two_steps)
+        with jaxckpt.CheckpointManager(two_steps, read_only=True) as reader:  # readers: no lock
+            assert reader.latest_step() == 2
+            with pytest.raises(errors.ConfigError, match="read_only"):
+                reader.save(3, state={"w": BIG})
+        writer.save(3, state={"w": BIG, "b": np.ones(3)})
+    with jaxckpt.CheckpointManager(two_steps) as again:  # released on close
+        assert again.all_steps() == [1, 2, 3]
+
+
+def test_a_dead_writers_lock_is_taken_over(two_steps, caplog):
+    code = f"import jaxckpt, os, signal; m = jaxckpt.CheckpointManager({str(two_steps)!r}); os.kill(os.getpid(), signal.SIGKILL)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert '"pid"' in (two_steps / ".jaxckpt-writer.lock").read_text()  # the dead holder's note
+    with (
+        caplog.at_level(logging.WARNING, logger="jaxckpt"),
+        jaxckpt.CheckpointManager(two_steps) as m,
+    ):
+        assert m.all_steps() == [1, 2]
+    assert "taking over the writer lock of host" in caplog.text
