@@ -9,6 +9,8 @@ processes x 4 devices (real jax.distributed on 127.0.0.1). Every restoring proce
   the kernel's per-process I/O counters do not see them);
 * what `CheckpointManager.plan` predicted for it before reading.
 
+Restores verify the step's checksums first (the default); one row shows the cost of that.
+
     python benchmarks/restore_memory.py [--repeat 3] [--out benchmarks/results/restore_memory.md]
 
 Targets (issue 3): peak <= 1.3x the state size in 1 process; each of 2 processes reads about
@@ -70,7 +72,7 @@ WORKER = textwrap.dedent(
     else:
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
         target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
-        m = jaxckpt.CheckpointManager("{directory}")
+        m = jaxckpt.CheckpointManager("{directory}", read_only=True, verify_on_restore={verify})
         plan = m.plan(state=target).processes[jax.process_index()]
         base, before, t0 = rss(), decoded(), time.perf_counter()
         restored = m.restore(state=target)
@@ -91,7 +93,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(mode: str, directory: Path, processes: int, devices: int) -> list[dict]:
+def run(
+    mode: str, directory: Path, processes: int, devices: int, verify: bool = True
+) -> list[dict]:
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -107,6 +111,7 @@ def run(mode: str, directory: Path, processes: int, devices: int) -> list[dict]:
                     port=port,
                     shape=SHAPE,
                     leaves=LEAVES,
+                    verify=verify,
                 ),
             ],
             stdout=subprocess.PIPE,
@@ -141,8 +146,10 @@ def main() -> int:
     try:
         run("save", directory, processes=1, devices=8)
         rows = []
-        for processes, devices in [(1, 8), (2, 4)]:
-            runs = [run("restore", directory, processes, devices) for _ in range(args.repeat)]
+        for processes, devices, verify in [(1, 8, True), (1, 8, False), (2, 4, True)]:
+            runs = [
+                run("restore", directory, processes, devices, verify) for _ in range(args.repeat)
+            ]
             for p in range(processes):
 
                 def median(key, p=p, runs=runs):
@@ -150,7 +157,8 @@ def main() -> int:
 
                 rows.append(
                     {
-                        "layout": f"{processes} process(es) x {devices} devices",
+                        "layout": f"{processes} process(es) x {devices} devices"
+                        + ("" if verify else ", verify_on_restore=False"),
                         "process": p,
                         "peak_ratio": median("peak_above") / STATE_BYTES,
                         "read_ratio": median("decoded") / STATE_BYTES,

@@ -348,9 +348,16 @@ class CheckpointManager:
     def _checked_info(self, step: int, *, verify: bool) -> dict:
         """The step's jaxckpt metadata, after checking its files if `verify`."""
         if verify:
-            report = integrity.verify_step(self._store.step_dir(step), step)
-            if not report.ok:
-                raise CorruptCheckpointError(step, report.problems, str(self.directory))
+            # Each process checks a share of the files; all agree on the verdict.
+            share = (jax.process_index(), jax.process_count())
+            problems = integrity.verify_step(self._store.step_dir(step), step, share=share).problems
+            if share[1] > 1:
+                counts = multihost_utils.process_allgather(np.int32(len(problems)))
+                if not problems and np.any(counts):
+                    found = [i for i, c in enumerate(np.ravel(counts)) if c]
+                    problems = (f"process(es) {found} found files that do not match the manifest",)
+            if problems:
+                raise CorruptCheckpointError(step, problems, str(self.directory))
         try:
             info = self._store.read_info(step)
             info["items"][_orbax.STATE]  # every step has these keys: fail here if not

@@ -201,3 +201,27 @@ print("RESULT " + json.dumps(report))
     )
     (result,) = run_job(body, processes=1, devices=8, args={"dir": str(tmp_path)})
     assert result.report() == {"steps": [1], "intact": True}  # no partial step 2
+
+
+def test_two_processes_agree_that_a_corrupt_step_is_corrupt(saved_on_two_hosts):
+    # Each process checks a share of the files: both must refuse, whichever found the damage.
+    files = [p for p in (saved_on_two_hosts / "5" / "state").rglob("*") if p.is_file()]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    body = (
+        COMMON
+        + """
+try:
+    restore(mesh_of((2, 4), ("data", "model")), {"w": P("data", "model"), "b": P(), "step": None}, with_data=False)
+    report = {"error": None}
+except jaxckpt.errors.CorruptCheckpointError as e:
+    report = {"error": str(e)}
+print("RESULT " + json.dumps(report))
+"""
+    )
+    results = run_job(body, processes=2, devices=4, args={"dir": str(saved_on_two_hosts)})
+    errors = [r.report()["error"] for r in results]
+    assert all(e and "step 5" in e and "is corrupt" in e for e in errors), errors
+    assert any("contents changed" in e for e in errors), errors
