@@ -3,7 +3,6 @@
 import json
 import logging
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import jaxckpt
 from conftest import REPO, run_python
 from jaxckpt import errors
+from reliability.faults import CORRUPTIONS, flip_byte
 
 BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
 
@@ -37,10 +37,6 @@ def two_steps(ckpt_dir):
     return ckpt_dir
 
 
-def largest_file(step_dir):
-    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
 def test_every_committed_step_carries_a_manifest_that_verifies(two_steps):
     reports = jaxckpt.verify(two_steps)
     assert [(r.step, r.ok) for r in reports] == [(1, True), (2, True)]
@@ -62,55 +58,7 @@ def test_every_committed_step_carries_a_manifest_that_verifies(two_steps):
     assert proc.stdout.splitlines()[0].startswith("step 1: ok (")
 
 
-def truncate(d):
-    f = largest_file(d / "2")
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    return f"{f.relative_to(d / '2')}: .*truncated"
-
-
-def flip(d):
-    f = largest_file(d / "2")
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    f.write_bytes(bytes(data))
-    return f"{f.relative_to(d / '2')}: contents changed"
-
-
-def delete(d):
-    f = largest_file(d / "2")
-    f.unlink()
-    return f"{f.relative_to(d / '2')}: missing"
-
-
-def garbage_metadata(d):
-    (d / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
-    return "jaxckpt/jaxckpt.json: .*"
-
-
-def manifest_mismatch(d):
-    path = d / "2" / "jaxckpt" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    name = sorted(manifest["files"])[0]
-    manifest["files"][name]["xxh3_128"] = "0" * 32
-    path.write_text(json.dumps(manifest))
-    return f"{name}: contents changed"
-
-
-def missing_metadata(d):
-    (d / "2" / "jaxckpt" / "jaxckpt.json").unlink()
-    return "jaxckpt/jaxckpt.json is missing"
-
-
-def empty_step(d):
-    shutil.rmtree(d / "2")
-    (d / "2").mkdir()
-    return "empty step directory"
-
-
-@pytest.mark.parametrize(
-    "corrupt",
-    [truncate, flip, delete, garbage_metadata, manifest_mismatch, missing_metadata, empty_step],
-)
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
 def test_corruption_is_detected_by_verify_and_restore(two_steps, corrupt, caplog):
     expected = corrupt(two_steps)
     # verify: step 2 named with the file and what is wrong; step 1 fine; exit code 1.
@@ -138,7 +86,7 @@ def test_corruption_is_detected_by_verify_and_restore(two_steps, corrupt, caplog
 
 
 def test_without_fallback_the_latest_corrupt_step_is_an_error(two_steps):
-    flip(two_steps)
+    flip_byte(two_steps)
     with (
         jaxckpt.CheckpointManager(two_steps, read_only=True) as m,
         pytest.raises(errors.CorruptCheckpointError, match="fallback=True"),

@@ -1,0 +1,72 @@
+"""Faults injected into real checkpoints, shared by the tests and the stress script.
+
+Every corruption takes a checkpoint directory, damages step 2 in one way, and returns a
+regex that `verify` and `restore` must report for it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+
+def largest_data_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(d: Path) -> str:
+    f = largest_data_file(d / "2")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return f"{f.relative_to(d / '2')}: .*truncated"
+
+
+def flip_byte(d: Path) -> str:
+    f = largest_data_file(d / "2")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    return f"{f.relative_to(d / '2')}: contents changed"
+
+
+def delete_file(d: Path) -> str:
+    f = largest_data_file(d / "2")
+    f.unlink()
+    return f"{f.relative_to(d / '2')}: missing"
+
+
+def garbage_metadata(d: Path) -> str:
+    (d / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
+    return "jaxckpt/jaxckpt.json: (contents changed|.*truncated or grown)"
+
+
+def missing_metadata(d: Path) -> str:
+    (d / "2" / "jaxckpt" / "jaxckpt.json").unlink()
+    return "jaxckpt/jaxckpt.json is missing"
+
+
+def empty_step(d: Path) -> str:
+    shutil.rmtree(d / "2")
+    (d / "2").mkdir()
+    return "empty step directory"
+
+
+def manifest_mismatch(d: Path) -> str:
+    path = d / "2" / "jaxckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    name = sorted(manifest["files"])[0]
+    manifest["files"][name]["xxh3_128"] = "0" * 32
+    path.write_text(json.dumps(manifest))
+    return f"{name}: contents changed"
+
+
+CORRUPTIONS = {
+    "truncated data file": truncate,
+    "one flipped byte": flip_byte,
+    "deleted data file": delete_file,
+    "garbage metadata JSON": garbage_metadata,
+    "missing metadata JSON": missing_metadata,
+    "empty step directory": empty_step,
+    "manifest that does not match": manifest_mismatch,
+}
