@@ -30,10 +30,11 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from jaxckpt import _orbax
+from jaxckpt import _orbax, integrity
 from jaxckpt import safetensors_format as st
 from jaxckpt.errors import (
     ConfigError,
+    CorruptCheckpointError,
     FormatError,
     LeafMismatchError,
     MissingShardingError,
@@ -93,6 +94,9 @@ def export_safetensors(
 ) -> ExportResult:
     """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
 
+    The step is verified against its manifest first (`CorruptCheckpointError` if it does
+    not match), so corrupt weights are never shipped.
+
     Args:
       checkpoint_dir: a jaxckpt checkpoint directory (only read; no lock needed).
       out_dir: the output directory; must not exist or be empty, unless `overwrite`.
@@ -121,6 +125,9 @@ def export_safetensors(
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
     try:
         step = _resolve_step(store, step)
+        report = integrity.verify_step(store.step_dir(step), step)
+        if not report.ok:  # never ship weights that do not match their checksums
+            raise CorruptCheckpointError(step, report.problems, str(store.directory))
         specs = [LeafSpec.from_json(d) for d in store.read_info(step)["items"][_orbax.STATE]]
         by_name = {s.name: s for s in specs}
         targets = name_map.place_all({n: s.shape for n, s in by_name.items()})

@@ -424,3 +424,15 @@ def test_live_export_of_a_sharded_model_loads_in_transformers(mesh, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config_json(CFG)))
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     np.testing.assert_allclose(hf_logits(hf), np.asarray(model(TOKENS)), atol=1e-4, rtol=0)
+
+
+def test_export_refuses_a_corrupt_step(small_checkpoint, tmp_path):
+    from reliability.faults import largest_data_file
+
+    f = largest_data_file(small_checkpoint / "1")
+    f.write_bytes(f.read_bytes()[:-1])
+    with pytest.raises(
+        errors.CorruptCheckpointError, match=r"step 1 .* is corrupt: state/.*truncated"
+    ):
+        jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
