@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean bench bench-quick
 
 # Re-install whenever the declared dependencies change.
 $(STAMP): pyproject.toml
@@ -18,6 +18,15 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/pytest
+
+# Side-by-side benchmarks (BENCHMARKS.md); bench-quick runs the 64 MiB state only (~1 min).
+bench: $(STAMP)
+	$(BIN)/python benchmarks/compare.py
+	$(BIN)/python benchmarks/restore_memory.py
+	$(BIN)/python benchmarks/hf_io.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/compare.py --quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -110,16 +110,9 @@ def export_safetensors(
       skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
         note; False makes them an error.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise OutputExistsError(
-            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
-        )
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
+    out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
     limit = parse_size(max_shard_size)
     name_map = NameMap.load(names)
-    cast = np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
     file_metadata = {"format": "pt", **(metadata or {})}
 
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
@@ -131,16 +124,9 @@ def export_safetensors(
         specs = [LeafSpec.from_json(d) for d in store.read_info(step)["items"][_orbax.STATE]]
         by_name = {s.name: s for s in specs}
         targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
-        # PRNG keys the map does not drop: safetensors has no dtype for them.
-        skipped = [t.leaf for t in targets if by_name[t.leaf].kind == KEY]
-        if skipped and not skip_unsupported:
-            raise UnsupportedValueError(
-                f"PRNG key leaves cannot be safetensors: {skipped}; drop them in the name map "
-                "or pass skip_unsupported=True"
-            )
-        for name in skipped:
-            log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
-        targets = [t for t in targets if t.leaf not in skipped]
+        targets, skipped = _without_keys(
+            targets, [t.leaf for t in targets if by_name[t.leaf].kind == KEY], skip_unsupported
+        )
         tensors = _plan_tensors(targets, by_name, cast, store, step)
         files = _pack(tensors, limit)
         _write(out_dir, files, file_metadata, overwrite)
@@ -151,6 +137,34 @@ def export_safetensors(
         "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, len(tensors), len(files)
     )
     return ExportResult(out_dir, step, tuple(files), len(tensors), total, tuple(skipped))
+
+
+def _check_output(
+    out_dir: str | os.PathLike, overwrite: bool, dtype: str | None
+) -> np.dtype | None:
+    """Refuses a non-empty output directory (unless `overwrite`); the dtype to cast to."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
+    return np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
+
+
+def _without_keys(
+    targets: list[Target], keys: list[str], skip_unsupported: bool
+) -> tuple[list[Target], list[str]]:
+    """Leaves out the PRNG keys the map did not drop: safetensors has no dtype for them."""
+    if keys and not skip_unsupported:
+        raise UnsupportedValueError(
+            f"PRNG key leaves cannot be safetensors: {keys}; drop them in the name map "
+            "or pass skip_unsupported=True"
+        )
+    for name in keys:
+        log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
+    return [t for t in targets if t.leaf not in keys], keys
 
 
 def _resolve_step(store: _orbax.OrbaxStore, step: int | None) -> int:
@@ -287,21 +301,13 @@ def save_safetensors(
     """
     from jax.experimental import multihost_utils
 
-    out_dir = Path(out_dir)
+    out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
     primary = jax.process_index() == 0
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise OutputExistsError(
-            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
-        )
-    cast = np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
     leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
     targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    skipped = [t.leaf for t in targets if _is_key(leaves[t.leaf])]
-    if skipped and not skip_unsupported:
-        raise UnsupportedValueError(f"PRNG key leaves cannot be safetensors: {skipped}")
-    targets = [t for t in targets if t.leaf not in skipped]
+    targets, skipped = _without_keys(
+        targets, [t.leaf for t in targets if _is_key(leaves[t.leaf])], skip_unsupported
+    )
 
     planned: list[Planned] = []
     for target in targets:
