@@ -213,12 +213,13 @@ class CheckpointManager:
         data_text, data_kind = _data_state(data)
 
         self._finish_pending()
-        if step in self._store.committed_steps():
-            raise StepExistsError(
-                f"step {step} already exists in {self.directory}; jaxckpt never overwrites a "
-                "committed step. Save under a new step number, or delete the old step first."
-            )
+        # One stat on the blocking path; the directory is listed only to word the refusal.
         if self._store.step_folder_exists(step):
+            if step in self._store.committed_steps():
+                raise StepExistsError(
+                    f"step {step} already exists in {self.directory}; jaxckpt never overwrites "
+                    "a committed step. Save under a new step number, or delete the old step first."
+                )
             raise StepExistsError(
                 f"the folder for step {step} ({self.directory / str(step)}) exists but was not "
                 "written by jaxckpt, which never touches folders it did not write. Move it "
@@ -424,6 +425,8 @@ class CheckpointManager:
             raise SaveError(
                 step, e, self._store.committed_steps(), missing=_missing_processes(e)
             ) from e
+        if self._retention.keep_last is None:
+            return  # keeps everything: no need to list the directory
         for old in self._retention.steps_to_delete(self._store.committed_steps()):
             log.info("retention: deleting step %d from %s", old, self.directory)
             self._store.delete(old)

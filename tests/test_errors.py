@@ -50,15 +50,6 @@ def make_state(mesh, scale):
     }
 
 
-def target_of(state):
-    def leaf(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-
-    return jax.tree.map(leaf, state)
-
-
 def assert_equal_trees(actual, expected):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
@@ -87,7 +78,7 @@ def saved(mesh, ckpt_dir):
                 assert mngr.all_steps() == list(STEPS)
                 for step in STEPS:
                     expected = make_state(mesh, step)
-                    restored = mngr.restore(step, state=target_of(expected))
+                    restored = mngr.restore(step, state=jaxckpt.target_like(expected))
                     assert restored.step == step and restored.meta == {"step": step}
                     assert_equal_trees(restored.state, expected)
                 it = mngr.restore(5, data=Iterator()).data
@@ -163,7 +154,7 @@ def test_saving_an_existing_step_while_it_is_still_being_written(mesh, ckpt_dir)
             m.save(4, state=make_state(mesh, 7), meta={"v": "second"})
         m.wait()
         assert m.all_steps() == [4]
-        restored = m.restore(state=target_of(make_state(mesh, 4)))
+        restored = m.restore(state=jaxckpt.target_like(make_state(mesh, 4)))
     assert restored.meta == {"v": "first"}
     assert_equal_trees(restored.state, make_state(mesh, 4))
 
@@ -206,7 +197,7 @@ def test_saving_over_a_step_folder_jaxckpt_did_not_write(saved, mesh, ckpt_dir, 
 
 def test_target_missing_a_saved_leaf(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     del target["params"]["w2"]
     it = Iterator(42)
     with pytest.raises(
@@ -222,7 +213,7 @@ def test_target_missing_a_saved_leaf(saved, mesh):
 
 def test_target_with_an_extra_leaf(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w3"] = target["params"]["w1"]
     target["opt"] = [target["params"]["w1"]]
     with pytest.raises(
@@ -238,7 +229,7 @@ def test_target_with_an_extra_leaf(saved, mesh):
 
 def test_target_missing_and_extra_leaves_together(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w3"] = target["params"].pop("w2")
     with pytest.raises(errors.TreeMismatchError) as info:
         m.restore(1, state=target)
@@ -257,7 +248,7 @@ def test_rng_target_for_a_step_saved_without_rng(saved):
 
 def test_shape_mismatch(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w1"] = jax.ShapeDtypeStruct(
         (4, 8), jnp.float32, sharding=NamedSharding(mesh, P("data", "model"))
     )
@@ -273,7 +264,7 @@ def test_shape_mismatch(saved, mesh):
 
 def test_dtype_mismatch(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w2"] = jnp.zeros(16, jnp.float32)  # a live array of another dtype
     with pytest.raises(
         errors.LeafMismatchError,
@@ -286,7 +277,7 @@ def test_dtype_mismatch(saved, mesh):
 
 def test_several_leaf_mismatches_are_all_reported(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w1"] = np.zeros((8, 8), np.int32)
     target["params"]["w2"] = np.zeros((15,), jnp.bfloat16)
     target["step"] = 1.5  # a Python float where an int was saved
@@ -329,7 +320,7 @@ def test_key_target_of_another_impl(mesh, ckpt_dir):
 
 def test_shape_dtype_struct_without_sharding(saved, mesh):
     m, intact = saved
-    target = target_of(make_state(mesh, 1))
+    target = jaxckpt.target_like(make_state(mesh, 1))
     target["params"]["w2"] = jax.ShapeDtypeStruct((16,), jnp.bfloat16)
     with pytest.raises(
         errors.MissingShardingError,
@@ -339,7 +330,7 @@ def test_shape_dtype_struct_without_sharding(saved, mesh):
         m.restore(state=target)
     all_unsharded = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "sharding") else x,
-        target_of(make_state(mesh, 1)),
+        jaxckpt.target_like(make_state(mesh, 1)),
     )
     with pytest.raises(
         errors.MissingShardingError, match=r"\['params'\]\['w1'\], \['params'\]\['w2'\]"

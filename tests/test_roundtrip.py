@@ -44,17 +44,6 @@ def put(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
-def abstract(tree):
-    """A restore target of ShapeDtypeStructs carrying the live leaves' shardings."""
-
-    def leaf(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-
-    return jax.tree.map(leaf, tree)
-
-
 def assert_same_sharding(actual, expected):
     """Equal shardings; a key array's spec may spell replication as P(None,) for P()."""
     assert type(actual) is type(expected)
@@ -333,7 +322,7 @@ def test_optax_adamw_with_schedule_roundtrip(mesh, ckpt_dir):
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(3, state=state)
         m.wait()
-        restored = m.restore(state=abstract(state))
+        restored = m.restore(state=jaxckpt.target_like(state))
         untyped = m.restore()
 
     opt = restored.state["opt"]
@@ -528,7 +517,7 @@ def test_rng_roundtrip_replicated_on_the_state_targets_mesh(mesh, ckpt_dir):
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(1, state=state, rng=keys)
         m.wait()
-        restored = m.restore(state=abstract(state))
+        restored = m.restore(state=jaxckpt.target_like(state))
     check_keys(restored.rng, keys, sharding=NamedSharding(mesh, P()))
     assert restored.state["w"].sharding == NamedSharding(mesh, P("data", "model"))
 
@@ -718,7 +707,7 @@ def test_steps_listing_and_restoring_an_older_step(mesh, ckpt_dir):
         m.wait()
         assert m.all_steps() == [0, 2, 5, 11, 30]
         assert m.latest_step() == 30
-        target = abstract(state_at(0))
+        target = jaxckpt.target_like(state_at(0))
         target["step"] = 0
         latest = m.restore(state=target)
         older = m.restore(step=5, state=target)
