@@ -18,7 +18,9 @@ when every item is written, so a step directory exists only once committed):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,11 +29,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxckpt.plan import read_batches
 from jaxckpt.tree import ReadRequest
+
+log = logging.getLogger("jaxckpt")
 
 STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
+DELETING_SUFFIX = ".jaxckpt-deleting"  # a step being deleted in the background
+# OCDBT packs a process's writes into data files of about this size, written in parallel;
+# without a target it writes one file at a time (2-3x slower, BENCHMARKS.md).
+DATA_FILE_BYTES = 128 * 2**20
 
 
 class _DataStateHandler(ocp.CheckpointHandler):
@@ -82,6 +91,7 @@ class OrbaxStore:
         *,
         timeout_s: int = 1200,
         restore_inflight_bytes: int = 128 * 2**20,
+        compression: str | None = None,
         read_only: bool = False,
         before_commit: Callable[[epath.Path], None] | None = None,
     ):
@@ -90,8 +100,10 @@ class OrbaxStore:
         self.directory = epath.Path(directory)
         self._before_commit = before_commit
         self._saving: int | None = None
-        # Orbax's limit on bytes being restored at once bounds the host staging memory.
-        arrays = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_inflight_bytes / 1e9)
+        self._restore_inflight_bytes = restore_inflight_bytes
+        # zstd saves ~7% of the bytes of float weights and halves the write rate
+        # (BENCHMARKS.md); reading either kind back needs no option.
+        arrays = ocp.PyTreeCheckpointHandler(use_compression=compression == "zstd")
         if read_only and not self.directory.exists():
             raise FileNotFoundError(f"{self.directory} does not exist")
         options = ocp.CheckpointManagerOptions(
@@ -116,6 +128,11 @@ class OrbaxStore:
                 INFO: ocp.JsonCheckpointHandler(filename=INFO_FILE),
             },
         )
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
+        if not read_only and jax.process_index() == 0:
+            # Deletions a previous run did not finish.
+            for leftover in self.directory.glob(f"*{DELETING_SUFFIX}"):
+                self._deleter.submit(_remove, leftover)
 
     def committed_steps(self) -> list[int]:
         """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
@@ -143,7 +160,9 @@ class OrbaxStore:
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             arrays = {name: a for name, a in arrays.items() if a.size}
             if arrays:
-                args[item] = ocp.args.PyTreeSave(arrays)
+                args[item] = ocp.args.PyTreeSave(
+                    arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
+                )
         if data is not None:
             args[DATA] = DataSave(data)
         self._saving = step
@@ -180,15 +199,15 @@ class OrbaxStore:
     ) -> dict[str, Any]:
         """Reads the named arrays of one item, each onto its sharding (or to the host)."""
         out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
-        restore_args = {name: _restore_args(r) for name, r in requests.items() if name not in out}
-        if restore_args:
-            # partial_restore: read only the requested leaves, never the rest of the step.
+        to_read = {name: r for name, r in requests.items() if name not in out}
+        # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
+        # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
+        # thousands of leaves under it took 2.5x longer.)
+        for batch in read_batches(to_read, self._restore_inflight_bytes):
             args = ocp.args.PyTreeRestore(
-                item={
-                    n: jax.ShapeDtypeStruct(requests[n].shape, requests[n].dtype)
-                    for n in restore_args
-                },
-                restore_args=restore_args,
+                item={n: jax.ShapeDtypeStruct(to_read[n].shape, to_read[n].dtype) for n in batch},
+                restore_args={n: _restore_args(to_read[n]) for n in batch},
+                # read only the requested leaves, never the rest of the step
                 partial_restore=True,
             )
             out.update(self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item])
@@ -198,10 +217,27 @@ class OrbaxStore:
         return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
 
     def delete(self, step: int) -> None:
-        self._mngr.delete(step)
+        """Removes a committed step from the listing now and deletes its files in the
+        background (off the save's blocking path): process 0 renames the step folder to
+        `<step>.jaxckpt-deleting` (which no listing reads) and a worker thread removes it."""
+        if jax.process_index() == 0:
+            doomed = self.directory / f"{step}{DELETING_SUFFIX}"
+            self.step_dir(step).rename(doomed)
+            self._deleter.submit(_remove, doomed)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"jaxckpt:deleted:{step}")
+        self._mngr.reload()
 
     def close(self) -> None:
         self._mngr.close()
+        self._deleter.shutdown(wait=True)
+
+
+def _remove(path: epath.Path) -> None:
+    try:
+        path.rmtree()
+    except Exception as e:  # a leftover is retried by the next manager
+        log.warning("could not delete %s (retried when a manager next opens it): %s", path, e)
 
 
 def _empty(request: ReadRequest) -> Any:

@@ -26,8 +26,8 @@ class ProcessPlan:
       read_bytes: bytes of array data this process reads from storage.
       device_bytes: bytes its devices hold afterwards (replicas counted on each device).
       peak_host_bytes: estimated peak host memory of the restore above what the process held
-        before: the staging of reads in flight (a decode buffer and a device copy for at most
-        `restore_inflight_bytes` at once), plus, on CPU devices (whose memory is host
+        before: the staging of the largest batch of reads in flight (a decode buffer and a
+        device copy; a batch reads at most `restore_inflight_bytes`, or one larger leaf), plus, on CPU devices (whose memory is host
         memory), the restored arrays themselves.
     """
 
@@ -68,31 +68,67 @@ def plan_reads(
     processes = range(jax.process_count())
     read = dict.fromkeys(processes, 0)
     held = dict.fromkeys(processes, 0)
+    batch_peak = dict.fromkeys(processes, 0)
     total = 0
-    for request in requests.values():
-        itemsize = np.dtype(request.dtype).itemsize
-        size = math.prod(request.shape) * itemsize
-        total += size
-        if request.sharding is None:  # NumPy on the host: every process reads it all
-            for p in processes:
-                read[p] += size
-            continue
-        distinct: dict[int, set] = {p: set() for p in processes}
-        for device, index in request.sharding.devices_indices_map(request.shape).items():
-            nbytes = _slice_bytes(index, request.shape) * itemsize
-            held[device.process_index] += nbytes
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in distinct[device.process_index]:
-                distinct[device.process_index].add(key)
-                read[device.process_index] += nbytes
+    for batch in read_batches(requests, inflight_bytes):
+        in_batch = dict.fromkeys(processes, 0)
+        for name in batch:
+            request = requests[name]
+            total += math.prod(request.shape) * np.dtype(request.dtype).itemsize
+            for p, (nread, nheld) in process_bytes(request).items():
+                read[p] += nread
+                held[p] += nheld
+                in_batch[p] += nread
+        for p in processes:
+            batch_peak[p] = max(batch_peak[p], in_batch[p])
     on_cpu = jax.devices()[0].platform == "cpu"
     plans = tuple(
-        ProcessPlan(
-            p, read[p], held[p], 2 * min(read[p], inflight_bytes) + (held[p] if on_cpu else 0)
-        )
+        # A batch in flight is held twice: the decoded bytes and their device copy.
+        ProcessPlan(p, read[p], held[p], 2 * batch_peak[p] + (held[p] if on_cpu else 0))
         for p in processes
     )
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
+
+
+def read_batches(requests: Mapping[str, ReadRequest], budget: int) -> list[list[str]]:
+    """The request names in consecutive batches that each read at most `budget` bytes on
+    any process (a larger leaf makes a batch alone). A restore reads one batch at a time,
+    which bounds its staging memory; the batches are the same on every process, since
+    every batch is a collective read."""
+    batches: list[list[str]] = []
+    size = budget + 1
+    for name, request in requests.items():
+        nbytes = max(nread for nread, _ in process_bytes(request).values())
+        if size + nbytes > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += nbytes
+    return batches
+
+
+def process_bytes(request: ReadRequest) -> dict[int, tuple[int, int]]:
+    """For each process: (bytes it reads, bytes its devices hold) of one request.
+
+    A slice replicated on several devices of one process is read once. A host (NumPy)
+    request is read whole by every process and held by no device.
+    """
+    itemsize = np.dtype(request.dtype).itemsize
+    if request.sharding is None:
+        size = math.prod(request.shape) * itemsize
+        return {p: (size, 0) for p in range(jax.process_count())}
+    distinct: dict[int, set] = {}
+    out: dict[int, tuple[int, int]] = {}
+    for device, index in request.sharding.devices_indices_map(request.shape).items():
+        p = device.process_index
+        nbytes = _slice_bytes(index, request.shape) * itemsize
+        nread, nheld = out.get(p, (0, 0))
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in distinct.setdefault(p, set()):
+            distinct[p].add(key)
+            nread += nbytes
+        out[p] = (nread, nheld + nbytes)
+    return out
 
 
 def _slice_bytes(index: tuple[slice, ...], shape: tuple[int, ...]) -> int:

@@ -552,6 +552,12 @@ def test_bad_policy_values(make, pattern):
     assert isinstance(info.value, ValueError)
 
 
+def test_unknown_compression(ckpt_dir):
+    with pytest.raises(errors.ConfigError, match=r'compression must be None or "zstd", got .lz4'):
+        jaxckpt.CheckpointManager(ckpt_dir, compression="lz4")
+    assert not ckpt_dir.exists()  # refused before anything was made
+
+
 def test_policies_of_the_wrong_type(ckpt_dir):
     with pytest.raises(errors.ConfigError, match=r"policy must be a jaxckpt\.SavePolicy"):
         jaxckpt.CheckpointManager(ckpt_dir, policy=10)

@@ -246,3 +246,30 @@ def test_folders_jaxckpt_did_not_write_are_never_listed_nor_deleted(ckpt_dir):
     assert names == sorted([".jaxckpt-writer.lock", "3", "7", "12", "50", "README", "notes"])
     for name, files in foreign.items():
         assert _tree(ckpt_dir / name) == files, name
+
+
+def test_retention_deletes_in_the_background_and_finishes_leftovers(ckpt_dir):
+    """A deleted step leaves the listing at once (renamed), its files go in a worker thread;
+    a deletion a killed run left half done is finished by the next manager."""
+    big = {"x": np.zeros((256, 1024), np.float32)}
+    with jaxckpt.CheckpointManager(ckpt_dir, retention=RetentionPolicy(keep_last=1)) as m:
+        m.save(1, state=big)
+        m.save(2, state=big)  # step 1 is committed now: deleted when step 2 is
+        m.wait()
+        assert m.all_steps() == [2]
+        assert not (ckpt_dir / "1").exists()
+        m.save(3, state=big)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [".jaxckpt-writer.lock", "3"]
+
+    # What a kill during a deletion leaves behind: a renamed, partly removed step.
+    leftover = ckpt_dir / "2.jaxckpt-deleting"
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "d").write_bytes(b"x" * 100)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        assert m.all_steps() == [3]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [".jaxckpt-writer.lock", "3"]
+    # A reader never deletes anything.
+    leftover.mkdir()
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        assert m.all_steps() == [3]
+    assert leftover.exists()
