@@ -1,23 +1,29 @@
-"""jaxckpt vs plain Orbax vs raw disk: save blocking time, save total, restore.
+"""jaxckpt vs plain Orbax vs raw disk vs safetensors, side by side; writes BENCHMARKS.md.
 
     python benchmarks/compare.py [--quick] [--runs 5] [--out BENCHMARKS.md]
+    python benchmarks/compare.py --gpu --out benchmarks/results/gpu.md   (an ~8 GiB state)
 
-Each state runs in a fresh process on 8 CPU devices, (4, 2) mesh. In that process every
-contender saves and restores the same state, alternating, one warm-up round, then `--runs`
-timed rounds; medians and min-max are reported, and the ratios come from the same run.
+Each state runs in a fresh process (`benchmarks/worker.py`) on 8 CPU devices, (4, 2) mesh
+(with --gpu: the accelerators of the host). In that process every contender saves and
+restores the same state, alternating: one warm-up round (reported as the first save), then
+`--runs` timed rounds; medians and min-max are reported, and every ratio comes from one run.
 
 Contenders:
 * jaxckpt: `CheckpointManager.save` (returns after the device-to-host copy), `wait`, `restore`
-  onto the live shardings (`target_like`), checksums verified (the default);
+  (checksums verified, the default); with compression="zstd" on the AdamW state;
 * orbax: plain `ocp.CheckpointManager` with its defaults (async, OCDBT, zstd),
   `StandardSave` / `StandardRestore`;
 * raw disk: the same shard bytes written by 8 threads, one file per shard, each fsynced
-  (a practical physical limit here); restore reads them back and builds the arrays.
+  (a practical physical limit here); restore reads them and puts them on the target;
+* safetensors: `save_file` / `load_file` + `device_put` against jaxckpt's export and import.
+
+Everything below the history marker of an existing output file is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -25,136 +31,50 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+HISTORY = "<!-- history: everything below is kept when compare.py rewrites this file -->"
+
 STATES = {
-    # name: (description, leaf shapes)
-    "64MiB": ("~64 MiB float32, 16 leaves", [(1024, 1024)] * 16),
-    "1GiB-adamw": (
-        "~1 GiB: float32 params + AdamW mu and nu (3 x 16 leaves of 21 MiB)",
-        [(2304, 2304)] * 48,
+    # name: description, leaf shapes, and which extra measurements run
+    "64MiB": dict(
+        description="~64 MiB float32, 16 leaves",
+        shapes=[(1024, 1024)] * 16,
+        reshard=True,
+        export=True,
+        zstd=False,
     ),
-    "1GiB-4000-leaves": ("~1 GiB in 4,000 float32 leaves of 256 KiB", [(256, 256)] * 4000),
+    "1GiB-adamw": dict(
+        description="~1 GiB: float32 params + AdamW mu and nu (3 x 16 leaves of 21 MiB)",
+        shapes=[(2304, 2304)] * 48,
+        reshard=True,
+        export=True,
+        zstd=True,
+    ),
+    "1GiB-4000-leaves": dict(
+        description="~1 GiB in 4,000 float32 leaves of 256 KiB",
+        shapes=[(256, 256)] * 4000,
+        reshard=False,
+        export=False,
+        zstd=False,
+    ),
 }
-
-WORKER = textwrap.dedent(
-    """
-    import json, os, shutil, sys, time
-    from concurrent.futures import ThreadPoolExecutor
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
-    import numpy as np
-    import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxckpt
-
-    shapes, work, runs = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    sharding = NamedSharding(mesh, P("data", "model"))
-    make = jax.jit(lambda k, shape: jax.random.normal(k, shape), static_argnums=1, out_shardings=sharding)
-    state = {f"p{i}": make(jax.random.key(i), tuple(s)) for i, s in enumerate(shapes)}
-    jax.block_until_ready(state)
-    target = jaxckpt.target_like(state)
-
-    def du(path):
-        files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-        return sum(os.path.getsize(f) for f in files), len(files)
-
-    class Jaxckpt:
-        def __init__(self):
-            self.dir = os.path.join(work, "jaxckpt")
-            self.m = jaxckpt.CheckpointManager(self.dir, retention=jaxckpt.RetentionPolicy(keep_last=1))
-        def save(self, step):
-            self.m.save(step, state=state)
-        def wait(self):
-            self.m.wait()
-        def restore(self, step):
-            return self.m.restore(step, state=target).state
-        def step_dir(self, step):
-            return os.path.join(self.dir, str(step))
-
-    class Orbax:
-        def __init__(self):
-            self.dir = os.path.join(work, "orbax")
-            self.m = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-        def save(self, step):
-            self.m.save(step, args=ocp.args.StandardSave(state))
-        def wait(self):
-            self.m.wait_until_finished()
-        def restore(self, step):
-            return self.m.restore(step, args=ocp.args.StandardRestore(target))
-        def step_dir(self, step):
-            return os.path.join(self.dir, str(step))
-
-    class Raw:
-        # One file per (leaf, shard), 8 writer threads, each file fsynced.
-        def __init__(self):
-            self.dir = os.path.join(work, "raw")
-            self.pool = ThreadPoolExecutor(8)
-        def _write(self, path, data):
-            with open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        def save(self, step):
-            d = self.step_dir(step)
-            shutil.rmtree(self.dir, ignore_errors=True)
-            os.makedirs(d)
-            jobs = []
-            for name, x in state.items():
-                for k, shard in enumerate(x.addressable_shards):
-                    if shard.replica_id == 0:
-                        jobs.append(self.pool.submit(self._write, os.path.join(d, f"{name}.{k}"), np.asarray(shard.data)))
-            for j in jobs:
-                j.result()
-        def wait(self):
-            pass
-        def restore(self, step):
-            d = self.step_dir(step)
-            def read(name, x):
-                shards = []
-                for k, shard in enumerate(x.addressable_shards):
-                    data = np.fromfile(os.path.join(d, f"{name}.{k}"), dtype=np.float32).reshape(shard.data.shape)
-                    shards.append(jax.device_put(data, shard.device))
-                return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-            return dict(zip(state, self.pool.map(read, state, state.values())))
-        def step_dir(self, step):
-            return os.path.join(self.dir, str(step))
-
-    contenders = {"jaxckpt": Jaxckpt(), "orbax": Orbax(), "raw": Raw()}
-    results = {name: {"blocking": [], "total": [], "restore": []} for name in contenders}
-    step = 0
-    for round_ in range(runs + 1):  # round 0 is the warm-up
-        for name, c in contenders.items():
-            step += 1
-            t0 = time.perf_counter()
-            c.save(step)
-            t1 = time.perf_counter()
-            c.wait()
-            t2 = time.perf_counter()
-            restored = c.restore(step)
-            jax.block_until_ready(restored)
-            t3 = time.perf_counter()
-            assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in list(state)[:2])
-            del restored
-            if round_:
-                results[name]["blocking"].append(t1 - t0)
-                results[name]["total"].append(t2 - t0)
-                results[name]["restore"].append(t3 - t2)
-            bytes_, files = du(c.step_dir(step))
-            results[name]["bytes"], results[name]["files"] = bytes_, files
-    print("RESULT " + json.dumps(results))
-    """
+GPU_STATE = dict(
+    description="~8 GiB: float32 params + AdamW mu and nu (3 x 16 leaves of 170 MiB)",
+    shapes=[(6656, 6656)] * 48,
+    reshard=False,
+    export=False,
+    zstd=True,
 )
+RESTORES = ("same mesh", "onto (2, 4)", "onto 1 device")
 
 
-def run_state(shapes, runs: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="jaxckpt-compare-") as work:
+def run_state(spec: dict, runs: int, platform_: str) -> dict:
+    job = dict(spec, runs=runs, platform=platform_, slowdown_runs=2)
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-bench-", dir=os.environ.get("BENCH_DIR")) as w:
         proc = subprocess.run(
-            [sys.executable, "-c", WORKER, json.dumps(shapes), work, str(runs)],
+            [sys.executable, str(Path(__file__).with_name("worker.py")), json.dumps(job), w],
             capture_output=True,
             text=True,
             timeout=3600,
@@ -165,63 +85,201 @@ def run_state(shapes, runs: int) -> dict:
     return json.loads(lines[-1][7:])
 
 
-def fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def cell(values: list[float] | None, digits: int = 3) -> str:
+    if not values:
+        return "-"
+    return f"{med(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+    ]
+
+
+def verdict(value: float, limit: float, at_most: bool) -> str:
+    ok = value <= limit if at_most else value >= limit
+    return f"{value:.2f} {'ok' if ok else 'MISSED'}"
+
+
+def report(results: dict[str, dict], runs: int, command: str, machine: str) -> list[str]:
+    any_result = next(iter(results.values()))
+    lines = [
+        "# Benchmarks: jaxckpt vs plain Orbax vs raw disk vs safetensors",
+        "",
+        f"Regenerated by `{command}` on {datetime.date.today().isoformat()}. Machine: "
+        f"{machine}; {any_result['devices']} devices; jax {any_result['versions']['jax']}, "
+        f"orbax-checkpoint {any_result['versions']['orbax']}. Each state runs in a fresh "
+        "process; the contenders alternate, one warm-up round (the first save) then "
+        f"{runs} timed rounds; medians with (min-max), seconds unless noted. Ratios are of "
+        "medians from the same run. Peak RSS is the process's high-water mark above its "
+        "level before the operation, as a multiple of the state's size.",
+        "",
+        "## Targets (issue 6), jaxckpt's ratios",
+        "",
+    ]
+    rows = []
+    for name, r in results.items():
+        c = r["contenders"]
+
+        def ratio(a, b, metric, c=c):
+            return med(c[a][metric]) / med(c[b][metric])
+
+        same = "restore same mesh"
+        row = [
+            STATES.get(name, GPU_STATE)["description"],
+            verdict(ratio("jaxckpt", "orbax", "blocking"), 1.0, True),
+            verdict(med(c["raw"]["total"]) / med(c["jaxckpt"]["total"]), 0.6, False),
+            verdict(ratio("jaxckpt", "orbax", same), 1.0, True),
+        ]
+        reshard = [f"restore {t}" for t in RESTORES[1:] if f"restore {t}" in c["jaxckpt"]]
+        row.append(
+            ", ".join(
+                verdict(med(c["jaxckpt"][t]) / med(c["jaxckpt"][same]), 1.2, True) for t in reshard
+            )
+            or "-"
+        )
+        row.append(verdict(ratio("jaxckpt", "orbax", "save_rss"), 1.2, True))
+        e = r["export"]
+        row.append(
+            verdict(
+                med(e["safetensors save_file"]["time"])
+                / med(e["jaxckpt export_safetensors"]["time"]),
+                1.0,
+                False,
+            )
+            if e
+            else "-"
+        )
+        rows.append(row)
+    lines += table(
+        [
+            "state",
+            "blocking / Orbax (<= 1.0)",
+            "save rate / raw disk (>= 0.6)",
+            "restore / Orbax (<= 1.0)",
+            "resharded / same-mesh restore, (2,4) and 1 device (<= 1.2)",
+            "save peak RSS / Orbax (<= 1.2)",
+            "export rate / save_file (>= 1.0)",
+        ],
+        rows,
+    )
+
+    for name, r in results.items():
+        c, gb = r["contenders"], r["state_bytes"] / 1e9
+        lines += [f"## {STATES.get(name, GPU_STATE)['description']}", "", "Save:", ""]
+        lines += table(
+            [
+                "contender",
+                "first save blocking",
+                "save blocking",
+                "save total (committed)",
+                "GB/s",
+                "peak RSS",
+                "on disk",
+                "files",
+            ],
+            [
+                [
+                    k,
+                    f"{v['first_blocking']:.3f}",
+                    cell(v["blocking"]),
+                    cell(v["total"]),
+                    f"{gb / med(v['total']):.2f}",
+                    f"{med(v['save_rss']):.2f}x",
+                    f"{v['bytes'] / 2**20:.1f} MiB",
+                    str(v["files"]),
+                ]
+                for k, v in c.items()
+            ],
+        )
+        restores = [t for t in RESTORES if f"restore {t}" in c["jaxckpt"]]
+        lines += ["Restore (jaxckpt verifies checksums first):", ""]
+        lines += table(
+            ["contender", *(f"restore {t}" for t in restores), "peak RSS (same mesh)"],
+            [
+                [
+                    k,
+                    *(cell(v[f"restore {t}"]) for t in restores),
+                    f"{med(v['restore same mesh rss']):.2f}x",
+                ]
+                for k, v in c.items()
+            ],
+        )
+        base = med(r["baseline_step"])
+        lines += [
+            f"Step time of a jitted 2048x2048 matmul while a save runs in the background "
+            f"(alone: {base * 1e3:.1f} ms):",
+            "",
+        ]
+        lines += table(
+            ["contender", "median step during the save", "slowdown", "steps measured"],
+            [
+                [k, f"{med(v) * 1e3:.1f} ms", f"{med(v) / base:.2f}x", str(len(v))]
+                for k, v in r["slowdown"].items()
+            ],
+        )
+        if "jaxckpt zstd" in c:
+            z, p = c["jaxckpt zstd"], c["jaxckpt"]
+            lines += ["Compression (jaxckpt's default is none):", ""]
+            lines += table(
+                ["compression", "on disk", "save total", "restore same mesh"],
+                [
+                    [
+                        label,
+                        f"{v['bytes'] / 2**20:.1f} MiB ({v['bytes'] / p['bytes']:.2f}x)",
+                        f"{med(v['total']):.3f} ({med(v['total']) / med(p['total']):.2f}x)",
+                        f"{med(v['restore same mesh']):.3f} "
+                        f"({med(v['restore same mesh']) / med(p['restore same mesh']):.2f}x)",
+                    ]
+                    for label, v in (("none", p), ("zstd", z))
+                ],
+            )
+        if r["export"]:
+            lines += ["Safetensors export and import:", ""]
+            lines += table(
+                ["operation", "time", "GB/s", "peak RSS"],
+                [
+                    [k, cell(v["time"]), f"{gb / med(v['time']):.2f}", f"{med(v['rss']):.2f}x"]
+                    for k, v in r["export"].items()
+                ],
+            )
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only the 64 MiB state (~1 min)")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-    )
+    parser.add_argument("--quick", action="store_true", help="the 64 MiB state, 3 runs (~1 min)")
+    parser.add_argument("--gpu", action="store_true", help="the ~8 GiB state on accelerators")
+    parser.add_argument("--runs", type=int, default=None, help="timed rounds (default 5)")
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
-    names = ["64MiB"] if args.quick else list(STATES)
+    runs = args.runs or (3 if args.quick else 5)
+    if args.gpu:
+        states = {"gpu-8GiB": GPU_STATE}
+    else:
+        states = {k: STATES[k] for k in (["64MiB"] if args.quick else STATES)}
 
-    lines = [
-        "# Benchmarks: jaxckpt vs plain Orbax vs raw disk",
-        "",
-        f"Regenerated by `python benchmarks/compare.py{' --quick' if args.quick else ''} --runs {args.runs}`. "
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        "8 CPU devices on a (4, 2) mesh, local disk. Each state runs in a fresh process; the "
-        f"contenders alternate, one warm-up round then {args.runs} timed rounds; medians with "
-        "(min-max) in seconds. Ratios are of medians from the same run; for time, lower is better.",
-        "",
-        "| state | contender | save blocking | save total | restore (same mesh) | on disk | files |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    ratio_lines = []
-    for name in names:
-        description, shapes = STATES[name]
-        print(f"running {name}: {description} ...", flush=True)
-        result = run_state(shapes, args.runs)
-        for contender, r in result.items():
-            lines.append(
-                f"| {description} | {contender} | {fmt(r['blocking'])} | {fmt(r['total'])} | "
-                f"{fmt(r['restore'])} | {r['bytes'] / 2**20:.1f} MiB | {r['files']} |"
-            )
+    results = {}
+    for name, spec in states.items():
+        print(f"running {name}: {spec['description']} ...", flush=True)
+        results[name] = run_state(spec, runs, "gpu" if args.gpu else "cpu")
+    command = "python benchmarks/compare.py" + " --quick" * args.quick + " --gpu" * args.gpu
+    command += f" --runs {runs}"
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    lines = report(results, runs, command, machine)
 
-        def med(c, k, result=result):
-            return statistics.median(result[c][k])
-
-        ratio_lines.append(
-            f"| {description} | {med('jaxckpt', 'blocking') / med('orbax', 'blocking'):.2f} | "
-            f"{med('jaxckpt', 'total') / med('orbax', 'total'):.2f} | "
-            f"{med('raw', 'total') / med('jaxckpt', 'total'):.2f} | "
-            f"{med('jaxckpt', 'restore') / med('orbax', 'restore'):.2f} |"
-        )
-    lines += [
-        "",
-        "| state | blocking jaxckpt/Orbax | save total jaxckpt/Orbax | save rate jaxckpt/raw disk | restore jaxckpt/Orbax |",
-        "| --- | --- | --- | --- | --- |",
-        *ratio_lines,
-        "",
-        "Targets (issue 6): blocking <= 1.0x Orbax; save rate >= 0.6x raw disk; restore <= 1.0x Orbax.",
-        "Restore and export memory and speed: [restore memory](benchmarks/results/restore_memory.md), "
-        "[safetensors export/import](benchmarks/results/hf_io.md).",
-    ]
-    text = "\n".join(lines) + "\n"
+    history = ""
+    if args.out.exists() and HISTORY in args.out.read_text():
+        history = args.out.read_text().split(HISTORY, 1)[1]
+    text = "\n".join(lines) + "\n" + HISTORY + history
     args.out.write_text(text)
     print(text)
     return 0

@@ -1,8 +1,10 @@
 """Hugging Face safetensors: export a checkpoint to sharded files, import files onto a mesh.
 
-Export reads the checkpoint tensor by tensor (through Orbax, as host NumPy arrays, with no
-devices involved) and streams each tensor into its file: peak memory is about one leaf. The
-output is the HF layout, written into a temporary directory that is renamed into place:
+Export reads the checkpoint in batches of leaves (through Orbax, as host NumPy arrays, with
+no devices involved; the next batch is read while the current one is written) and streams
+each tensor into its file: peak memory is about two batches of `READ_BATCH_BYTES` (or the
+largest leaf). The output is the HF layout, written into a temporary directory that is
+renamed into place:
 
     out_dir/model.safetensors                               (when it fits in one shard)
     out_dir/model-00001-of-00003.safetensors ...            (otherwise)
@@ -16,6 +18,7 @@ devices need, read through a memory map: a process reads only its addressable sh
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -45,11 +48,13 @@ from jaxckpt.errors import (
     UnsupportedValueError,
 )
 from jaxckpt.names import NameMap, Target
+from jaxckpt.plan import read_batches
 from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
 
 log = logging.getLogger("jaxckpt")
 
 SINGLE_FILE = "model.safetensors"
+READ_BATCH_BYTES = 128 * 2**20  # export reads about this many bytes per Orbax call
 INDEX_FILE = "model.safetensors.index.json"
 CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -118,18 +123,34 @@ def export_safetensors(
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
     try:
         step = _resolve_step(store, step)
-        report = integrity.verify_step(store.step_dir(step), step)
-        if not report.ok:  # never ship weights that do not match their checksums
-            raise CorruptCheckpointError(step, report.problems, str(store.directory))
-        specs = [LeafSpec.from_json(d) for d in store.read_info(step)["items"][_orbax.STATE]]
-        by_name = {s.name: s for s in specs}
-        targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
-        targets, skipped = _without_keys(
-            targets, [t.leaf for t in targets if by_name[t.leaf].kind == KEY], skip_unsupported
-        )
-        tensors = _plan_tensors(targets, by_name, cast, store, step)
-        files = _pack(tensors, limit)
-        _write(out_dir, files, file_metadata, overwrite)
+        # The files are hashed in a worker thread while the tensors are written to a
+        # temporary directory, which is published only if they match: corrupt weights are
+        # never shipped.
+        with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
+            report = pool.submit(integrity.verify_step, store.step_dir(step), step)
+
+            def check() -> None:
+                if problems := report.result().problems:
+                    raise CorruptCheckpointError(step, problems, str(store.directory))
+
+            try:
+                info = store.read_info(step)
+                specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
+                by_name = {s.name: s for s in specs}
+                targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
+                keys = [t.leaf for t in targets if by_name[t.leaf].kind == KEY]
+                targets, skipped = _without_keys(targets, keys, skip_unsupported)
+                leaves = [by_name[t.leaf] for t in targets]
+                reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
+                try:
+                    tensors = _plan_tensors(targets, by_name, cast, reader)
+                    files = _pack(tensors, limit)
+                    _write(out_dir, files, file_metadata, overwrite, before_publish=check)
+                finally:
+                    reader.close()
+            except Exception:
+                check()  # corruption explains the failure
+                raise
     finally:
         store.close()
     total = sum(st.nbytes(t[1], t[2]) for t in tensors)
@@ -181,7 +202,36 @@ def _resolve_step(store: _orbax.OrbaxStore, step: int | None) -> int:
 Planned = tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]
 
 
-def _plan_tensors(targets, by_name, cast, store, step) -> list[Planned]:
+class _LeafReader:
+    """Reads leaves to the host in the order an export asks for them: in batches of at
+    most `budget` bytes (or one larger leaf), the next batch read in a worker thread while
+    the current one is written. At most two batches are held."""
+
+    def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec], budget: int):
+        requests = {s.name: ReadRequest(s.shape, np.dtype(s.dtype), None) for s in specs}
+        self._read = lambda names: store.read_arrays(
+            step, _orbax.STATE, {n: requests[n] for n in names}
+        )
+        self._batches = read_batches(requests, budget)
+        self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-export-read")
+        self._reads: dict[int, concurrent.futures.Future] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        i = self._batch_of[name]
+        for j in [j for j in self._reads if j < i]:
+            del self._reads[j]  # consumed: leaves are asked for in order
+        for j in (i, i + 1):
+            if j < len(self._batches) and j not in self._reads:
+                self._reads[j] = self._pool.submit(self._read, self._batches[j])
+        return self._reads[i].result()[name]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+
+
+def _plan_tensors(targets, by_name, cast, reader: _LeafReader) -> list[Planned]:
     """(name, dtype, shape, producer) for every output tensor, in leaf order."""
     planned: list[Planned] = []
     for target in targets:
@@ -189,15 +239,6 @@ def _plan_tensors(targets, by_name, cast, store, step) -> list[Planned]:
         dtype = np.dtype(spec.dtype)
         if cast is not None and _is_float(dtype):
             dtype = cast
-        cache: dict[str, np.ndarray] = {}
-
-        def leaf(spec=spec, cache=cache) -> np.ndarray:
-            # A split leaf feeds several consecutive tensors: read once, drop after the last.
-            if "value" not in cache:
-                request = {spec.name: ReadRequest(spec.shape, np.dtype(spec.dtype), None)}
-                cache["value"] = store.read_arrays(step, _orbax.STATE, request)[spec.name]
-            return cache["value"]
-
         shape = list(spec.shape)
         if target.split is not None:
             del shape[target.split]
@@ -209,16 +250,13 @@ def _plan_tensors(targets, by_name, cast, store, step) -> list[Planned]:
                 )
             shape = [shape[a] for a in target.transpose]
         for i, name in enumerate(target.names):
-            last = i == len(target.names) - 1
 
-            def produce(i=i, last=last, target=target, leaf=leaf, cache=cache, dtype=dtype):
-                value = leaf()
+            def produce(i=i, target=target, dtype=dtype):
+                value = reader.get(target.leaf)
                 if target.split is not None:
                     value = np.take(value, i, axis=target.split)
                 if target.transpose is not None:
                     value = value.transpose(target.transpose)
-                if last:
-                    cache.clear()
                 return value.astype(dtype, copy=False)
 
             planned.append((name, dtype, tuple(shape), produce))
@@ -242,7 +280,13 @@ def _pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
     return {f"model-{i + 1:05d}-of-{count:05d}.safetensors": g for i, g in enumerate(groups)}
 
 
-def _write(out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: bool) -> None:
+def _write(
+    out_dir: Path,
+    files: dict[str, list[Planned]],
+    metadata,
+    overwrite: bool,
+    before_publish: Callable[[], None] = lambda: None,
+) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -250,6 +294,7 @@ def _write(out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: 
     try:
         for file_name, tensors in files.items():
             st.write_file(tmp / file_name, tensors, metadata)
+        before_publish()
         _publish(tmp, out_dir, files, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -316,8 +317,7 @@ class CheckpointManager:
         skipped = []
         for candidate in self._candidates(step, fallback):
             try:
-                info = self._checked_info(candidate, verify=self._verify)
-                return self._restore_step(candidate, info, state, rng, data, partial)
+                return self._restore_verified(candidate, state, rng, data, partial)
             except CorruptCheckpointError as e:
                 if not fallback or step is not None:
                     raise
@@ -354,19 +354,49 @@ class CheckpointManager:
         log.info("restoring the latest committed step %d from %s", steps[-1], self.directory)
         return sorted(steps, reverse=True) if fallback else [steps[-1]]
 
-    def _checked_info(self, step: int, *, verify: bool) -> dict:
-        """The step's jaxckpt metadata, after checking its files if `verify`."""
-        if verify:
-            # Each process checks a share of the files; all agree on the verdict.
-            share = (jax.process_index(), jax.process_count())
-            problems = integrity.verify_step(self._store.step_dir(step), step, share=share).problems
-            if share[1] > 1:
-                counts = multihost_utils.process_allgather(np.int32(len(problems)))
-                if not problems and np.any(counts):
-                    found = [i for i, c in enumerate(np.ravel(counts)) if c]
-                    problems = (f"process(es) {found} found files that do not match the manifest",)
-            if problems:
-                raise CorruptCheckpointError(step, problems, str(self.directory))
+    def _restore_verified(self, step, state, rng, data, partial) -> Restored:
+        """Restores a step; with `verify_on_restore`, only if its files match the manifest.
+
+        One process hashes the files in a worker thread while it reads the arrays, and
+        returns nothing (moves no data iterator) unless they match. Several processes first
+        agree on the verdict (a collective), then read, so no process reads a corrupt step
+        that another refuses.
+        """
+        if not self._verify:
+            return self._restore_step(step, self._read_info(step), state, rng, data, partial)
+        if jax.process_count() > 1:
+            self._check(step, self._verify_share(step))
+            return self._restore_step(step, self._read_info(step), state, rng, data, partial)
+        with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
+            report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
+            try:
+                info = self._read_info(step)
+                restored = self._restore_step(step, info, state, rng, None, partial)
+            except Exception:
+                self._check(step, report.result().problems)  # corruption explains it
+                raise
+            self._check(step, report.result().problems)
+        if data is not None:
+            _restore_data(data, step, info.get("data"), self._store)
+            restored = dataclasses.replace(restored, data=data)
+        return restored
+
+    def _verify_share(self, step: int) -> tuple[str, ...]:
+        """Each process checks a share of the step's files; all agree on the verdict."""
+        share = (jax.process_index(), jax.process_count())
+        problems = integrity.verify_step(self._store.step_dir(step), step, share=share).problems
+        counts = multihost_utils.process_allgather(np.int32(len(problems)))
+        if not problems and np.any(counts):
+            found = [i for i, c in enumerate(np.ravel(counts)) if c]
+            problems = (f"process(es) {found} found files that do not match the manifest",)
+        return problems
+
+    def _check(self, step: int, problems: tuple[str, ...]) -> None:
+        if problems:
+            raise CorruptCheckpointError(step, problems, str(self.directory))
+
+    def _read_info(self, step: int) -> dict:
+        """The step's jaxckpt metadata."""
         try:
             info = self._store.read_info(step)
             info["items"][_orbax.STATE]  # every step has these keys: fail here if not
@@ -408,7 +438,7 @@ class CheckpointManager:
         """
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
-        info = self._checked_info(step, verify=False)
+        info = self._read_info(step)
         specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
         requests, _ = plan_restore(state, specs, item=_orbax.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)

@@ -426,13 +426,23 @@ def test_live_export_of_a_sharded_model_loads_in_transformers(mesh, tmp_path):
     np.testing.assert_allclose(hf_logits(hf), np.asarray(model(TOKENS)), atol=1e-4, rtol=0)
 
 
-def test_export_refuses_a_corrupt_step(small_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [("truncate", "truncated"), ("flip", "checksum mismatch")],
+)
+def test_export_refuses_a_corrupt_step(small_checkpoint, tmp_path, damage, problem):
+    """Truncated (the read fails) or one flipped byte (the read succeeds): never shipped."""
     from reliability.faults import largest_data_file
 
     f = largest_data_file(small_checkpoint / "1")
-    f.write_bytes(f.read_bytes()[:-1])
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        del data[-1]
+    else:
+        data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
     with pytest.raises(
-        errors.CorruptCheckpointError, match=r"step 1 .* is corrupt: state/.*truncated"
+        errors.CorruptCheckpointError, match=rf"step 1 .* is corrupt: state/.*{problem}"
     ):
         jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no output, no temporary

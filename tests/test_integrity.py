@@ -52,7 +52,7 @@ def test_every_committed_step_carries_a_manifest_that_verifies(two_steps):
         "_CHECKPOINT_METADATA",
         "commit_success.txt",
     }
-    # verify read every listed byte; the array data is in there (zstd saves ~10% on floats).
+    # verify read every listed byte; the array data is in there.
     assert reports[1].bytes == sum(f["size"] for f in manifest["files"].values()) > BIG.nbytes / 2
     proc = run_python("-m", "jaxckpt", "verify", str(two_steps))
     assert proc.stdout.splitlines()[0].startswith("step 1: ok (")

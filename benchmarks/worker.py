@@ -1,0 +1,343 @@
+"""One benchmark state in one fresh process; `compare.py` starts it and reads its JSON.
+
+    python benchmarks/worker.py SPEC_JSON WORK_DIR
+
+Every contender saves and restores the same state, alternating, one warm-up round (its
+numbers are kept apart as the first save), then `runs` timed rounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import safetensors.numpy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+
+SPEC = json.loads(sys.argv[1])
+WORK = sys.argv[2]
+if SPEC["platform"] == "cpu":  # before the first use of a device
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry: the kernel's high-water mark, reset
+    through /proc/self/clear_refs where the kernel allows it, else sampled every 2 ms."""
+
+    def __enter__(self):
+        gc.collect()
+        _LIBC.malloc_trim(0)  # hand freed memory back first, so the level is what is live
+        self.base = _status("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = _status("VmHWM") <= self.base + 2**20
+        except OSError:
+            self.exact = False
+        if not self.exact:
+            self.samples = [self.base]
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop.wait(0.002):
+            self.samples.append(_status("VmRSS"))
+
+    def __exit__(self, *exc):
+        if self.exact:
+            self.peak = _status("VmHWM") - self.base
+        else:
+            self.stop.set()
+            self.thread.join()
+            self.peak = max(self.samples) - self.base
+
+
+def du(path: str) -> tuple[int, int]:
+    files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    return sum(os.path.getsize(f) for f in files), len(files)
+
+
+# ----------------------------------------------------------------------------- the state
+
+devices = np.array(jax.devices())
+if SPEC["platform"] == "cpu":
+    mesh = jax.sharding.Mesh(devices.reshape(4, 2), ("data", "model"))
+else:  # the accelerators of this host, one axis
+    mesh = jax.sharding.Mesh(devices.reshape(-1, 1), ("data", "model"))
+sharding = NamedSharding(mesh, P("data", "model"))
+make = jax.jit(
+    lambda k, shape: jax.random.normal(k, shape), static_argnums=1, out_shardings=sharding
+)
+state = {f"p{i}": make(jax.random.key(i), tuple(s)) for i, s in enumerate(SPEC["shapes"])}
+jax.block_until_ready(state)
+state_bytes = sum(x.nbytes for x in state.values())
+targets = {"same mesh": jaxckpt.target_like(state)}
+if SPEC["reshard"] and len(devices) >= 8:
+    other = jax.sharding.Mesh(devices[:8].reshape(2, 4), ("data", "model"))
+    targets["onto (2, 4)"] = jaxckpt.target_on_mesh(state, other, P("data", "model"))
+    targets["onto 1 device"] = jaxckpt.target_on_mesh(
+        state, jax.sharding.Mesh(devices[:1].reshape(1, 1), ("data", "model")), P()
+    )
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+class Jaxckpt:
+    def __init__(self, name, **options):
+        self.dir = os.path.join(WORK, name)
+        self.m = jaxckpt.CheckpointManager(
+            self.dir, retention=jaxckpt.RetentionPolicy(keep_last=1), **options
+        )
+
+    def save(self, step):
+        self.m.save(step, state=state)
+
+    def wait(self):
+        self.m.wait()
+
+    def restore(self, step, target):
+        return self.m.restore(step, state=target).state
+
+
+class Orbax:
+    """Plain Orbax with its defaults (async, OCDBT, zstd)."""
+
+    def __init__(self, name):
+        self.dir = os.path.join(WORK, name)
+        self.m = ocp.CheckpointManager(
+            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=1)
+        )
+
+    def save(self, step):
+        self.m.save(step, args=ocp.args.StandardSave(state))
+
+    def wait(self):
+        self.m.wait_until_finished()
+
+    def restore(self, step, target):
+        return self.m.restore(step, args=ocp.args.StandardRestore(target))
+
+
+class Raw:
+    """The same shard bytes, one file per shard, 8 writer threads, each file fsynced."""
+
+    def __init__(self, name):
+        self.dir = os.path.join(WORK, name)
+        self.pool = ThreadPoolExecutor(8)
+
+    @staticmethod
+    def _write(path, shard):
+        with open(path, "wb") as f:
+            f.write(np.asarray(shard.data))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def save(self, step):
+        shutil.rmtree(self.dir, ignore_errors=True)
+        d = os.path.join(self.dir, str(step))
+        os.makedirs(d)
+        jobs = [
+            self.pool.submit(self._write, os.path.join(d, f"{name}.{k}"), shard)
+            for name, x in state.items()
+            for k, shard in enumerate(x.addressable_shards)
+            if shard.replica_id == 0
+        ]
+        for job in jobs:
+            job.result()
+
+    def wait(self):
+        pass
+
+    def restore(self, step, target):
+        d = os.path.join(self.dir, str(step))
+
+        def read(name):
+            x, t = state[name], target[name]
+            host = np.empty(x.shape, x.dtype)
+            for k, shard in enumerate(x.addressable_shards):
+                if shard.replica_id == 0:
+                    path = os.path.join(d, f"{name}.{k}")
+                    host[shard.index] = np.fromfile(path, x.dtype).reshape(shard.data.shape)
+            return jax.device_put(host, t.sharding)
+
+        return dict(zip(state, self.pool.map(read, state), strict=True))
+
+
+contenders = {"jaxckpt": Jaxckpt("jaxckpt"), "orbax": Orbax("orbax"), "raw": Raw("raw")}
+if SPEC["zstd"]:
+    contenders["jaxckpt zstd"] = Jaxckpt("jaxckpt-zstd", compression="zstd")
+
+
+def check(restored, target_name):
+    for name in list(state)[:2]:
+        got = restored[name]
+        assert got.sharding.is_equivalent_to(targets[target_name].get(name).sharding, got.ndim)
+        assert np.array_equal(np.asarray(got), np.asarray(state[name])), (target_name, name)
+
+
+# ----------------------------------------------------------------------------- rounds
+
+results: dict = {c: {"first_blocking": None} for c in contenders}
+
+
+def record(contender, metric, value):
+    results[contender].setdefault(metric, []).append(value)
+
+
+step = 0
+for round_ in range(SPEC["runs"] + 1):  # round 0 warms up (and is the first save)
+    for name, c in contenders.items():
+        step += 1
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            c.save(step)
+            t1 = time.perf_counter()
+            c.wait()
+            t2 = time.perf_counter()
+        if round_ == 0:
+            results[name]["first_blocking"] = t1 - t0
+            results[name]["bytes"], results[name]["files"] = du(os.path.join(c.dir, str(step)))
+            continue
+        record(name, "blocking", t1 - t0)
+        record(name, "total", t2 - t0)
+        record(name, "save_rss", rss.peak / state_bytes)
+        for target_name, target in targets.items():
+            with PeakRSS() as rss:
+                t0 = time.perf_counter()
+                restored = c.restore(step, target)
+                jax.block_until_ready(restored)
+                t1 = time.perf_counter()
+            check(restored, target_name)
+            del restored
+            record(name, f"restore {target_name}", t1 - t0)
+            record(name, f"restore {target_name} rss", rss.peak / state_bytes)
+
+
+# ------------------------------------------------------- training-step slowdown during a save
+
+x = jax.device_put(np.ones((2048, 2048), np.float32), sharding)
+matmul = jax.jit(lambda a: (a @ a.T) * (1 / 2048), out_shardings=sharding)
+jax.block_until_ready(matmul(x))
+
+
+def step_times(until: threading.Event | None, count: int = 0) -> list[float]:
+    times = []
+    while (until is not None and not until.is_set()) or len(times) < count:
+        t0 = time.perf_counter()
+        jax.block_until_ready(matmul(x))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+baseline = step_times(None, count=30)
+slowdown = {}
+for name, c in contenders.items():
+    if isinstance(c, Raw):
+        continue  # it saves synchronously: no background to measure
+    during = []
+    for _ in range(SPEC["slowdown_runs"]):
+        step += 1
+        c.save(step)  # the blocking part is measured above; this is the background part
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda c=c, done=done: (c.wait(), done.set()))
+        waiter.start()
+        during += step_times(done)
+        waiter.join()
+    slowdown[name] = during
+
+# ----------------------------------------------------------------------------- export
+
+
+class Export:
+    """jaxckpt.export_safetensors from the committed step vs safetensors' save_file of the
+    same arrays already in host memory (+ fsync); importing both back onto the mesh."""
+
+    def __init__(self):
+        self.ckpt = contenders["jaxckpt"].dir
+        self.out = os.path.join(WORK, "hf")
+        self.host = {k: np.asarray(v) for k, v in state.items()}
+
+    def jaxckpt_export(self):
+        jaxckpt.export_safetensors(self.ckpt, self.out + "-jaxckpt", overwrite=True)
+
+    def save_file(self):
+        path = self.out + "-st.safetensors"
+        safetensors.numpy.save_file(self.host, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+
+    def jaxckpt_import(self):
+        return jaxckpt.load_safetensors(self.out + "-jaxckpt", targets["same mesh"])
+
+    def load_file(self):
+        loaded = safetensors.numpy.load_file(self.out + "-st.safetensors")
+        return {k: jax.device_put(v, state[k].sharding) for k, v in loaded.items()}
+
+
+export = {}
+if SPEC["export"]:
+    e = Export()
+    ops = {
+        "jaxckpt export_safetensors": e.jaxckpt_export,
+        "safetensors save_file": e.save_file,
+        "jaxckpt load_safetensors": e.jaxckpt_import,
+        "safetensors load_file + device_put": e.load_file,
+    }
+    export = {k: {"time": [], "rss": []} for k in ops}
+    for round_ in range(SPEC["runs"] + 1):
+        for name, op in ops.items():
+            with PeakRSS() as rss:
+                t0 = time.perf_counter()
+                out = op()
+                jax.block_until_ready(out)
+                t1 = time.perf_counter()
+            del out
+            if round_:
+                export[name]["time"].append(t1 - t0)
+                export[name]["rss"].append(rss.peak / state_bytes)
+
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "contenders": results,
+            "baseline_step": baseline,
+            "slowdown": slowdown,
+            "export": export,
+            "state_bytes": state_bytes,
+            "devices": f"{len(devices)} x {devices.flat[0].device_kind}",
+            "versions": {"jax": jax.__version__, "orbax": ocp.__version__},
+        }
+    )
+)
