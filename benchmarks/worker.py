@@ -280,13 +280,18 @@ for name, c in contenders.items():
 
 
 class Export:
-    """jaxckpt.export_safetensors from the committed step vs safetensors' save_file of the
-    same arrays already in host memory (+ fsync); importing both back onto the mesh."""
+    """safetensors' save_file of the state's arrays already in host memory (+ fsync) vs
+    jaxckpt writing the same files from the live sharded state (save_safetensors) and from
+    the committed step (export_safetensors, which also reads and verifies it); importing
+    both back onto the mesh."""
 
     def __init__(self):
         self.ckpt = contenders["jaxckpt"].dir
         self.out = os.path.join(WORK, "hf")
         self.host = {k: np.asarray(v) for k, v in state.items()}
+
+    def jaxckpt_live(self):
+        jaxckpt.save_safetensors(state, self.out + "-live", overwrite=True)
 
     def jaxckpt_export(self):
         jaxckpt.export_safetensors(self.ckpt, self.out + "-jaxckpt", overwrite=True)
@@ -309,8 +314,9 @@ export = {}
 if SPEC["export"]:
     e = Export()
     ops = {
-        "jaxckpt export_safetensors": e.jaxckpt_export,
-        "safetensors save_file": e.save_file,
+        "jaxckpt save_safetensors (live state)": e.jaxckpt_live,
+        "jaxckpt export_safetensors (from the checkpoint)": e.jaxckpt_export,
+        "safetensors save_file (host arrays)": e.save_file,
         "jaxckpt load_safetensors": e.jaxckpt_import,
         "safetensors load_file + device_put": e.load_file,
     }

@@ -402,19 +402,49 @@ def _is_key(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-def _local_pieces(leaf: Any, primary: bool):
-    """(index with concrete bounds, host data) of the shards this process writes: one
-    replica of each shard, copied to the host one at a time."""
+def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """(index with concrete bounds, host data) of what this process writes of a leaf: one
+    replica of each of its shards, those side by side joined into larger blocks (a run of
+    shards that spans whole rows is then one write instead of one per row)."""
     if isinstance(leaf, jax.Array):
-        for shard in leaf.addressable_shards:
-            if shard.replica_id == 0:
-                index = tuple(
-                    slice(*s.indices(n)[:2]) for s, n in zip(shard.index, leaf.shape, strict=True)
-                )
-                yield index, np.asarray(shard.data)
-    elif primary:  # NumPy arrays and scalars: process 0 writes them
+        pieces = [
+            (
+                tuple(slice(*s.indices(n)[:2]) for s, n in zip(sh.index, leaf.shape, strict=True)),
+                np.asarray(sh.data),
+            )
+            for sh in leaf.addressable_shards
+            if sh.replica_id == 0
+        ]
+        for axis in reversed(range(leaf.ndim)):
+            pieces = _join_along(pieces, axis)
+        return pieces
+    if primary:  # NumPy arrays and scalars: process 0 writes them
         value = np.asarray(leaf)
-        yield tuple(slice(None) for _ in value.shape), value
+        return [(tuple(slice(None) for _ in value.shape), value)]
+    return []
+
+
+def _join_along(pieces: list, axis: int) -> list:
+    """Concatenates the pieces that touch along `axis` and agree on every other axis."""
+    rows: dict[tuple, list] = {}
+    for index, data in pieces:
+        others = tuple((s.start, s.stop) for s in index[:axis] + index[axis + 1 :])
+        rows.setdefault(others, []).append((index, data))
+    joined = []
+    for row in rows.values():
+        row.sort(key=lambda piece: piece[0][axis].start)
+        runs = [[row[0]]]
+        for piece in row[1:]:
+            if piece[0][axis].start == runs[-1][-1][0][axis].stop:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        for run in runs:
+            index = list(run[0][0])
+            index[axis] = slice(run[0][0][axis].start, run[-1][0][axis].stop)
+            data = run[0][1] if len(run) == 1 else np.concatenate([d for _, d in run], axis)
+            joined.append((tuple(index), data))
+    return joined
 
 
 def _to_tensors(target: Target, index: tuple[slice, ...], data: np.ndarray):
