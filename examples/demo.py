@@ -1,19 +1,26 @@
-"""The jaxckpt demo (`make demo`): a crashed run resumes and matches an uninterrupted one.
+"""The jaxckpt demo (`make demo`): preempted, resumed on another mesh, verified, exported.
 
-1. Train 40 steps straight, without checkpoints: the reference.
-2. Train again with jaxckpt saving every 10 steps asynchronously, and kill the process with
-   SIGKILL after step 25: no clean shutdown, a save may be in flight.
-3. Start a new process: it restores the latest committed step (model, optimizer, PRNG key,
-   grain iterator position) and trains to step 40.
-4. Compare every loss and the final model and optimizer state with the reference, bitwise.
+A GPT-2 (examples/gpt2.py) trains 40 steps on 8 CPU devices (examples/train.py: AdamW with
+a warmup-cosine schedule, dropout, a shuffled grain pipeline, jaxckpt every 10 steps):
 
-Everything runs on 8 CPU devices on a (4, 2) data x model mesh, in `runs/demo/`.
+1. an uninterrupted reference run on a (data=4, model=2) mesh;
+2. a checkpointed run on the same mesh that receives SIGTERM (a preemption notice) after
+   step 25: it saves the step it is at and exits cleanly;
+3. a new process resumes from that step on a (data=2, model=4) mesh (the restore reshards)
+   and finishes: same data order, losses within 1e-5 of the reference;
+4. another new process resumes from the same step on the original mesh: every loss and the
+   final model and optimizer state are bitwise equal to the reference;
+5. `jaxckpt ls` and `jaxckpt verify` check every step's files against their checksums;
+6. the final step is exported to safetensors and loaded in transformers (same logits).
+
+Everything lands in `runs/demo/`; a summary table ends it.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,20 +30,8 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "examples" / "train.py"
 CONFIG = REPO / "configs" / "demo.yaml"
-
-
-def run_train(*args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
-    """Runs examples/train.py in a fresh process; returns it and its wall time."""
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(TRAIN), f"--config={CONFIG}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, time.perf_counter() - t0
+STEPS, PREEMPT_AFTER = 40, 25
 
 
 def read_log(path: Path, field: str = "bits") -> dict[int, Any]:
@@ -57,76 +52,144 @@ def differing_leaves(a: Path, b: Path) -> tuple[int, list[str]]:
         return len(x.files), [k for k in x.files if not np.array_equal(x[k], y[k])]
 
 
-def _check(proc: subprocess.CompletedProcess, what: str, expect_rc: int = 0) -> None:
-    if proc.returncode != expect_rc:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(f"demo: {what} exited {proc.returncode}, expected {expect_rc}")
+def run(args: list[str], *, signal_after: str | None = None, timeout: float = 600):
+    """Runs a Python script in a fresh process, streaming its output; with `signal_after`,
+    sends it SIGTERM once it prints a line starting so. Returns (rc, output, seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        line = line.rstrip()
+        if "WARNING" in line or "Loading weights" in line:
+            continue  # absl and transformers chatter
+        lines.append(line)
+        print(f"      | {line}", flush=True)
+        if signal_after and line.startswith(signal_after):
+            print("      > demo: SIGTERM (a preemption notice)", flush=True)
+            proc.send_signal(signal.SIGTERM)
+            signal_after = None
+    rc = proc.wait(timeout=timeout)
+    return rc, lines, time.perf_counter() - t0
+
+
+def train(*args: str, **kwargs):
+    return run(
+        ["examples/train.py", f"--config={CONFIG}", f"--steps={STEPS}", "--print-every=5", *args],
+        **kwargs,
+    )
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise SystemExit(f"demo: {what} exited {rc}")
 
 
 def main() -> int:
     out = REPO / "runs" / "demo"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    ckpt = out / "ckpt"
-    steps, kill_at = 40, 25
-    print(f"jaxckpt demo: {steps} steps of a small NNX transformer on 8 CPU devices, mesh 4x2")
+    ckpt, ckpt_same = out / "ckpt", out / "ckpt-same-mesh"
+    print(f"jaxckpt demo: a GPT-2 trained {STEPS} steps on 8 CPU devices, in {out}", flush=True)
+    rows = []
 
-    print("1/3 uninterrupted reference run ...", flush=True)
-    ref, t_ref = run_train(
-        f"--steps={steps}", f"--log={out / 'ref.jsonl'}", f"--final={out / 'ref.npz'}"
-    )
-    _check(ref, "the reference run")
+    print("[1/6] uninterrupted reference run, mesh data=4 x model=2", flush=True)
+    rc, _, t = train("--mesh=4x2", f"--log={out / 'ref.jsonl'}", f"--final={out / 'ref.npz'}")
+    check(rc, "the reference run")
+    rows.append(("uninterrupted reference", "4x2", f"1-{STEPS}", t))
 
-    print(f"2/3 checkpointed run, killed with SIGKILL after step {kill_at} ...", flush=True)
-    crashed, t_crash = run_train(
-        f"--steps={steps}",
+    print(f"[2/6] checkpointed run, mesh 4x2; SIGTERM after step {PREEMPT_AFTER}", flush=True)
+    rc, lines, t = train(
+        "--mesh=4x2",
         f"--ckpt-dir={ckpt}",
         "--save-every=10",
-        f"--stop-at={kill_at}",
-        "--kill",
-        f"--log={out / 'crashed.jsonl'}",
+        f"--log={out / 'preempted.jsonl'}",
+        signal_after=f"step {PREEMPT_AFTER}:",
     )
-    _check(crashed, "the killed run", expect_rc=-9)
-    for line in crashed.stdout.splitlines():
-        print("    " + line)
+    check(rc, "the preempted run")
+    saved = next(int(line.split()[3][:-1]) for line in lines if line.startswith("preempted: saved"))
+    rows.append((f"preempted (SIGTERM), saved step {saved}", "4x2", f"1-{saved}", t))
+    shutil.copytree(ckpt, ckpt_same)  # the same checkpoints, for the same-mesh resume
 
-    print("3/3 new process resumes from the latest committed step ...", flush=True)
-    resumed, t_resume = run_train(
-        f"--steps={steps}",
-        f"--ckpt-dir={ckpt}",
-        "--save-every=10",
-        f"--log={out / 'resumed.jsonl'}",
-        f"--final={out / 'resumed.npz'}",
+    print(f"[3/6] new process, mesh data=2 x model=4: resume from step {saved}", flush=True)
+    rc, _, t = train("--mesh=2x4", f"--ckpt-dir={ckpt}", f"--log={out / 'other.jsonl'}")
+    check(rc, "the resume on another mesh")
+    rows.append(("resumed on another mesh", "2x4", f"{saved + 1}-{STEPS}", t))
+
+    print(f"[4/6] new process, the original mesh 4x2: resume from step {saved}", flush=True)
+    rc, _, t = train(
+        "--mesh=4x2",
+        f"--ckpt-dir={ckpt_same}",
+        f"--log={out / 'same.jsonl'}",
+        f"--final={out / 'same.npz'}",
     )
-    _check(resumed, "the resumed run")
-    for line in resumed.stdout.splitlines():
-        print("    " + line)
+    check(rc, "the resume on the same mesh")
+    rows.append(("resumed on the same mesh", "4x2", f"{saved + 1}-{STEPS}", t))
 
-    reference = read_log(out / "ref.jsonl")
-    before = read_log(out / "crashed.jsonl")
-    after = read_log(out / "resumed.jsonl")
-    resumed_from = min(after) - 1
-    combined = {**{s: b for s, b in before.items() if s <= resumed_from}, **after}
-    equal = sum(combined.get(s) == bits for s, bits in reference.items())
-    n_leaves, bad_leaves = differing_leaves(out / "ref.npz", out / "resumed.npz")
+    print("[5/6] jaxckpt ls and verify", flush=True)
+    rc, _, _ = run(["-m", "jaxckpt", "ls", str(ckpt)])
+    check(rc, "jaxckpt ls")
+    rc, verified, _ = run(["-m", "jaxckpt", "verify", str(ckpt)])
+    check(rc, "jaxckpt verify")
 
-    rows = [
-        ("uninterrupted", f"1-{steps}", f"{t_ref:.1f}s"),
-        ("killed (SIGKILL)", f"1-{max(before)}", f"{t_crash:.1f}s"),
-        (f"resumed from step {resumed_from}", f"{min(after)}-{max(after)}", f"{t_resume:.1f}s"),
+    print("[6/6] export the final step to safetensors, load it in transformers", flush=True)
+    rc, lines, _ = run(["examples/export_hf.py", f"--ckpt-dir={ckpt}", f"--out={out / 'hf'}"])
+    check(rc, "the export")
+    exported = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])
+
+    # ------------------------------------------------------------------------ the verdict
+    ref = {f: read_log(out / "ref.jsonl", f) for f in ("bits", "loss", "batch_crc")}
+    before = {f: read_log(out / "preempted.jsonl", f) for f in ref}
+    same = {f: {**before[f], **read_log(out / "same.jsonl", f)} for f in ref}
+    other = {f: read_log(out / "other.jsonl", f) for f in ref}
+    resumed_steps = range(saved + 1, STEPS + 1)
+    bitwise = sum(same["bits"].get(s) == b for s, b in ref["bits"].items())
+    n_leaves, bad_leaves = differing_leaves(out / "ref.npz", out / "same.npz")
+    order = sum(other["batch_crc"].get(s) == ref["batch_crc"][s] for s in resumed_steps)
+    rel = [abs(other["loss"][s] - ref["loss"][s]) / abs(ref["loss"][s]) for s in resumed_steps]
+    close = sum(r <= 1e-5 for r in rel)
+    steps_ok = sum(line.split(":")[1].strip().startswith("ok") for line in verified)
+    checks = [
+        (
+            "same mesh: losses bitwise equal to the reference",
+            f"{bitwise}/{STEPS}",
+            bitwise == STEPS,
+        ),
+        (
+            "same mesh: final model + optimizer leaves bitwise equal",
+            f"{n_leaves - len(bad_leaves)}/{n_leaves}",
+            not bad_leaves,
+        ),
+        (
+            "other mesh: same batches (data order)",
+            f"{order}/{len(resumed_steps)}",
+            order == len(resumed_steps),
+        ),
+        (
+            f"other mesh: losses within 1e-5 relative (max {max(rel):.1e})",
+            f"{close}/{len(resumed_steps)}",
+            close == len(resumed_steps),
+        ),
+        ("steps verified against their checksums", f"{steps_ok} ok", steps_ok >= 3),
+        (
+            "safetensors loaded in transformers: max |logit diff|",
+            f"{exported['max_logit_diff']:.1e}",
+            exported["max_logit_diff"] < 1e-4,
+        ),
     ]
-    print("\n  run                        steps    wall time")
-    for name, span, t in rows:
-        print(f"  {name:<26} {span:<8} {t:>9}")
-    ok = equal == len(reference) == steps and not bad_leaves
-    print(f"\n  losses equal to the uninterrupted run, bitwise: {equal}/{len(reference)}")
-    print(
-        f"  final model + optimizer leaves equal, bitwise: {n_leaves - len(bad_leaves)}/{n_leaves}"
-    )
-    print(
-        f"  checkpoints in {ckpt.relative_to(REPO)}: steps {sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())}"
-    )
-    print("\n  RESULT: " + ("exact resumption after a crash" if ok else "MISMATCH"))
+    print("\n  run                                   mesh  steps     wall time")
+    for name, mesh, span, seconds in rows:
+        print(f"  {name:<37} {mesh:<5} {span:<9} {seconds:>7.1f}s")
+    print()
+    for what, value, ok in checks:
+        print(f"  {what:<58} {value:>9}  {'ok' if ok else 'FAILED'}")
+    ok = all(passed for _, _, passed in checks)
+    print("\n  RESULT: " + ("all checks passed" if ok else "FAILED"))
     return 0 if ok else 1
 
 

@@ -42,13 +42,16 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+from examples.gpt2 import GPT2, RULES, GPT2Config
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     vocab: int = 64
     seq_len: int = 16
     d_model: int = 64
-    d_ff: int = 128
+    layers: int = 2
     heads: int = 4
     dropout: float = 0.1
     batch: int = 16
@@ -57,64 +60,18 @@ class Config:
     total_steps: int = 40
     seed: int = 0
     mesh_shape: tuple[int, int] = (4, 2)
+    # logical axis (examples/gpt2.py's annotations) -> mesh axis or None
+    rules: tuple[tuple[str, str | None], ...] = RULES
 
-
-def sharded(init, *axes):
-    return nnx.with_partitioning(init, axes)
-
-
-class Block(nnx.Module):
-    """Pre-norm causal self-attention + MLP, with dropout; kernels sharded on "model"."""
-
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
-        dense = nnx.initializers.lecun_normal()
-        self.norm1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(
-            num_heads=cfg.heads,
-            in_features=cfg.d_model,
-            kernel_init=sharded(dense, None, "model", None),
-            out_kernel_init=sharded(dense, "model", None, None),
-            decode=False,
-            rngs=rngs,
+    def model(self) -> GPT2Config:
+        return GPT2Config(
+            vocab_size=self.vocab,
+            n_positions=self.seq_len,
+            n_embd=self.d_model,
+            n_layer=self.layers,
+            n_head=self.heads,
+            dropout=self.dropout,
         )
-        self.norm2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.up = nnx.Linear(
-            cfg.d_model, cfg.d_ff, kernel_init=sharded(dense, None, "model"), rngs=rngs
-        )
-        self.down = nnx.Linear(
-            cfg.d_ff, cfg.d_model, kernel_init=sharded(dense, "model", None), rngs=rngs
-        )
-        self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
-
-    def __call__(self, x):
-        mask = nnx.make_causal_mask(x[..., 0])
-        x = x + self.drop(self.attn(self.norm1(x), mask=mask))
-        return x + self.drop(self.down(jax.nn.gelu(self.up(self.norm2(x)))))
-
-
-class LM(nnx.Module):
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(
-            cfg.vocab,
-            cfg.d_model,
-            embedding_init=sharded(nnx.initializers.normal(0.02), None, "model"),
-            rngs=rngs,
-        )
-        self.pos = nnx.Param(jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)) * 0.02)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(2)])
-        self.norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.head = nnx.Linear(
-            cfg.d_model,
-            cfg.vocab,
-            kernel_init=sharded(nnx.initializers.lecun_normal(), None, "model"),
-            rngs=rngs,
-        )
-
-    def __call__(self, tokens):
-        x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
@@ -126,6 +83,18 @@ def make_optimizer_tx(cfg: Config) -> optax.GradientTransformation:
     return optax.adamw(schedule, weight_decay=0.01)
 
 
+def build(cfg: Config) -> tuple[GPT2, nnx.Optimizer]:
+    model = GPT2(cfg.model(), nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+    return model, nnx.Optimizer(model, make_optimizer_tx(cfg), wrt=nnx.Param)
+
+
+def abstract_state(cfg: Config) -> nnx.State:
+    """The train state (as `state_of` saves it) as shapes, dtypes and logical annotations,
+    holding no memory: `jaxckpt.target_from_flax(abstract_state(cfg), mesh, cfg.rules)`
+    places it on any mesh, as a restore target or to shard a new state."""
+    return nnx.State(state_of(*nnx.eval_shape(lambda: build(cfg))))
+
+
 def create_train_state(cfg: Config, mesh: jax.sharding.Mesh):
     """Builds the model and optimizer with every array placed per its annotation.
 
@@ -135,24 +104,26 @@ def create_train_state(cfg: Config, mesh: jax.sharding.Mesh):
     equal. Left to XLA's propagation, unannotated leaves (biases) change sharding after the
     first step, and a resumed run would differ in the last bits.
     """
-
-    def build():
-        model = LM(cfg, nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
-        return model, nnx.Optimizer(model, make_optimizer_tx(cfg), wrt=nnx.Param)
+    # Each array's sharding from its logical axes and the config's rules.
+    placed = jaxckpt.target_from_flax(abstract_state(cfg), mesh, cfg.rules)
+    shardings = jax.tree.map(lambda x: x.sharding, placed)
 
     @nnx.jit
     def create():
-        model, optimizer = build()
-        nnx.update(
-            (model, optimizer),
-            jax.lax.with_sharding_constraint(nnx.state((model, optimizer)), shardings),
-        )
+        model, optimizer = build(cfg)
+        pin(model, optimizer, shardings)
         return model, optimizer
 
     with jax.set_mesh(mesh):
-        shardings = nnx.get_named_sharding(nnx.state(nnx.eval_shape(build)), mesh)
         model, optimizer = create()
     return model, optimizer, shardings
+
+
+def pin(model: GPT2, optimizer: nnx.Optimizer, shardings: nnx.State) -> None:
+    """Inside jit: constrains the state to `shardings`, in place."""
+    state = jax.lax.with_sharding_constraint(nnx.State(state_of(model, optimizer)), shardings)
+    nnx.update(model, state["model"])
+    nnx.update(optimizer, state["opt"])
 
 
 def make_data(cfg: Config) -> grain.DatasetIterator:
@@ -175,7 +146,7 @@ def make_train_step(shardings):
     """The jitted step; its outputs are pinned to `shardings` (see create_train_state)."""
 
     @nnx.jit
-    def train_step(model: LM, optimizer: nnx.Optimizer, tokens: jax.Array, key: jax.Array):
+    def train_step(model: GPT2, optimizer: nnx.Optimizer, tokens: jax.Array, key: jax.Array):
         # Blank 10% of the inputs: uses the loop's own PRNG key, which jaxckpt saves.
         inputs = jnp.where(jax.random.bernoulli(key, 0.1, tokens[:, :-1].shape), 0, tokens[:, :-1])
 
@@ -185,14 +156,13 @@ def make_train_step(shardings):
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.lax.with_sharding_constraint(state, shardings))
+        pin(model, optimizer, shardings)
         return loss
 
     return train_step
 
 
-def state_of(model: LM, optimizer: nnx.Optimizer) -> dict:
+def state_of(model: GPT2, optimizer: nnx.Optimizer) -> dict:
     return {"model": nnx.state(model), "opt": nnx.state(optimizer)}
 
 
@@ -218,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mesh", help="data x model mesh shape, e.g. 4x2 (overrides the config)")
     parser.add_argument("--log", type=Path, help="append per-step losses here (JSON lines)")
+    parser.add_argument("--print-every", type=int, default=0, help="print the loss every N steps")
     parser.add_argument("--final", type=Path, help="write the final state here (.npz)")
     args = parser.parse_args(argv)
 
@@ -226,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mesh:
         fields["mesh_shape"] = args.mesh.split("x")
     fields["mesh_shape"] = tuple(int(n) for n in fields.get("mesh_shape", Config.mesh_shape))
+    fields["rules"] = tuple(tuple(rule) for rule in fields.get("rules", Config.rules))
     cfg = Config(**fields)
     mesh = make_mesh(cfg.mesh_shape)
     model, optimizer, shardings = create_train_state(cfg, mesh)
@@ -262,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             log.write(json.dumps(record) + "\n")
             log.flush()
-        if mngr is not None and mngr.should_save(step):
+        if mngr is not None and mngr.should_save(step):  # call it every step (preemption)
             t0 = time.perf_counter()
             mngr.save(
                 step,
@@ -275,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step}: loss {loss:.4f}, checkpoint started ({time.perf_counter() - t0:.3f}s blocking)",
                 flush=True,
             )
+        elif args.print_every and step % args.print_every == 0:
+            print(f"step {step}: loss {loss:.4f}", flush=True)
         if mngr is not None and mngr.preempted:  # SIGTERM: the step was just saved
             mngr.close()
             print(f"preempted: saved step {step}, exiting", flush=True)

@@ -1,9 +1,29 @@
-"""The `jaxckpt` command line: one-line errors and a non-zero exit on bad input."""
+"""The `jaxckpt` command line: what is in a checkpoint, on any machine.
+
+    jaxckpt ls DIR [--verify]                       steps, times, sizes, status
+    jaxckpt inspect DIR [--step N] [--filter RE]     leaves: shape, dtype, saved sharding
+    jaxckpt diff DIR STEP_A STEP_B [--values]        or: jaxckpt diff DIR_A DIR_B
+    jaxckpt plan DIR --mesh 2x4 [--hosts 2]          restore dry-run onto another mesh
+    jaxckpt verify DIR [--step N]                    checksums of every file
+    jaxckpt export DIR OUT [--names MAP.yaml]        Hugging Face safetensors
+
+Everything reads metadata (and, for `verify`, `diff --values` and `export`, the data) on the
+host: JAX runs on CPU devices, never an accelerator. `--json` prints one JSON document.
+Progress bars go to stderr on a terminal only (never with `--quiet` or in logs). Bad input is
+one line on stderr, `jaxckpt: error: ...`, and a non-zero exit: never a traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
+import os
+import re
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -11,27 +31,520 @@ from jaxckpt.errors import JaxckptError
 
 
 class _Group(click.Group):
-    """Turns jaxckpt's errors (and missing files) into one line on stderr and exit code 1."""
+    """One-line errors: jaxckpt's, missing files, and click's usage errors."""
 
-    def invoke(self, ctx):
+    def main(self, args=None, prog_name=None, **kwargs):
         try:
-            return super().invoke(ctx)
-        except (JaxckptError, FileNotFoundError) as e:
+            code = super().main(args, prog_name or "jaxckpt", standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help() if e.ctx else str(e))
+            code = 0
+        except click.ClickException as e:
+            click.echo(f"jaxckpt: error: {e.format_message()}", err=True)
+            code = e.exit_code
+        except click.exceptions.Abort:
+            click.echo("jaxckpt: aborted", err=True)
+            code = 130
+        except (JaxckptError, OSError) as e:
             click.echo(f"jaxckpt: error: {e}", err=True)
-            sys.exit(1)
+            code = 1
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=_Group)
-@click.option("-q", "--quiet", is_flag=True, help="Only errors.")
-def main(quiet: bool) -> None:
-    """Inspect, verify and export jaxckpt checkpoints."""
+@click.option("-q", "--quiet", is_flag=True, help="Only errors: no progress bars, no notes.")
+@click.pass_context
+def main(ctx: click.Context, quiet: bool) -> None:
+    """Inspect, compare, verify, plan and export jaxckpt checkpoints."""
     logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING, format="%(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)
+    ctx.obj = {"quiet": quiet}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _cpu(devices: int | None = None) -> None:
+    """Host-only JAX (before any device is used): checkpoints are read on CPU devices."""
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    if devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", devices)
+        except RuntimeError:  # JAX already runs (in-process use): enough devices will do
+            if len(jax.devices()) < devices:
+                raise click.ClickException(
+                    f"this process has {len(jax.devices())} devices, the mesh needs {devices}"
+                ) from None
+
+
+def _store(directory: str):
+    """A read-only view of a checkpoint directory; a clear error when there is none."""
+    from etils import epath
+
+    from jaxckpt import _orbax
+
+    if "://" not in directory and not os.path.isdir(directory):
+        raise click.ClickException(f"{directory}: no such checkpoint directory")
+    return _orbax.OrbaxStore(epath.Path(directory), read_only=True)
+
+
+def _step(store, step: int | None) -> int:
+    from jaxckpt.errors import NoCheckpointError, StepNotFoundError
+
+    steps = store.committed_steps()
+    if not steps:
+        raise NoCheckpointError(f"no committed checkpoint in {store.directory}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise StepNotFoundError(step, steps, str(store.directory))
+    return step
+
+
+def _specs(info: dict, item: str) -> list:
+    from jaxckpt.tree import LeafSpec
+
+    if item not in info["items"]:
+        raise click.ClickException(f"no item {item!r}; the step holds {sorted(info['items'])}")
+    return [LeafSpec.from_json(d) for d in info["items"][item]]
+
+
+def _stored(spec) -> tuple[tuple[int, ...], Any]:
+    """The shape and NumPy dtype of a leaf as stored (a PRNG key as its uint32 key data)."""
+    import jax
+    import numpy as np
+
+    from jaxckpt.tree import KEY
+
+    if spec.kind == KEY:
+        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=spec.key_impl)))
+        return tuple(spec.shape) + data.shape, np.dtype(data.dtype)
+    return tuple(spec.shape), np.dtype(spec.dtype)
+
+
+def _nbytes(spec) -> int:
+    shape, dtype = _stored(spec)
+    return math.prod(shape) * dtype.itemsize
+
+
+def _layout(spec) -> str:
+    if spec.sharding is None:
+        return "host"
+    if "mesh" not in spec.sharding:
+        n = spec.sharding["devices"]
+        return f"{n} device{'s' * (n != 1)}"
+    mesh = ",".join(f"{k}={v}" for k, v in spec.sharding["mesh"].items())
+    return f"{spec.spec} on {mesh}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _du(path) -> tuple[int, int]:
+    """Bytes and files below `path` (one listing per folder: fine on object storage too)."""
+    size = files = 0
+    stack = [path]
+    while stack:
+        for p in stack.pop().iterdir():
+            if p.is_dir():
+                stack.append(p)
+            else:
+                size, files = size + p.stat().length, files + 1
+    return size, files
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=1))
+
+
+@contextlib.contextmanager
+def _progress(description: str) -> Iterator:
+    """`update(key, done, total)` drives one bar per key; silent unless stderr is a terminal
+    and `--quiet` was not given."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    quiet = click.get_current_context().find_root().obj["quiet"] or not sys.stderr.isatty()
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn())
+    with Progress(
+        *columns,
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=quiet,
+        transient=True,
+    ) as bars:
+        tasks: dict = {}
+
+        def update(key, done: int, total: int) -> None:
+            if key not in tasks:
+                tasks[key] = bars.add_task(description.format(key=key), total=total)
+            bars.update(tasks[key], completed=done, total=total)
+
+        yield update
+
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+DIR = click.argument("checkpoint_dir", metavar="DIR")
+
+
+# ----------------------------------------------------------------------------------- commands
+
+
+@main.command("ls")
+@DIR
+@click.option("--verify", "check", is_flag=True, help="Verify each step's checksums too.")
+@JSON_OPTION
+def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
+    """The steps of a checkpoint directory: time, size, status; the latest marked *."""
+    _cpu()
+    from jaxckpt import _orbax, integrity
+
+    store = _store(checkpoint_dir)
+    try:
+        committed = store.committed_steps()
+        rows = []
+        with _progress("verify step {key}") as update:
+            for step, path in sorted(store.step_dirs().items()):
+                if step in committed:
+                    info = store.read_info(step)
+                    status = "committed"
+                    if check:
+                        report = integrity.verify_step(
+                            path, step, progress=lambda s, d, t: update(s, d, t)
+                        )
+                        status = "verified" if report.ok else "CORRUPT"
+                    size, files = _du(path)
+                    rows.append(
+                        {
+                            "step": step,
+                            "saved_at": info.get("saved_at"),
+                            "bytes": size,
+                            "files": files,
+                            "leaves": len(info["items"][_orbax.STATE]),
+                            "status": status,
+                            "latest": step == committed[-1],
+                        }
+                    )
+                elif problem := integrity.damage(path):
+                    rows.append({"step": step, "status": f"damaged: {problem}", "latest": False})
+        for path in sorted(store.directory.glob(f"*{_orbax.TMP_SUFFIX}")):
+            rows.append(
+                {
+                    "step": int(path.name.split(".")[0]),
+                    "status": "uncommitted (a save in progress or one that never finished)",
+                    "latest": False,
+                }
+            )
+    finally:
+        store.close()
+    if as_json:
+        _json({"directory": checkpoint_dir, "steps": rows})
+        return
+    if not rows:
+        click.echo(f"{checkpoint_dir}: no steps")
+        return
+    _table(
+        ["", "step", "saved at (UTC)", "size", "files", "leaves", "status"],
+        [
+            [
+                "*" if r["latest"] else "",
+                str(r["step"]),
+                (r.get("saved_at") or "-")[:19].replace("T", " "),
+                _size(r["bytes"]) if "bytes" in r else "-",
+                str(r.get("files", "-")),
+                str(r.get("leaves", "-")),
+                r["status"],
+            ]
+            for r in sorted(rows, key=lambda r: r["step"])
+        ],
+    )
 
 
 @main.command()
-@click.argument("checkpoint_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@DIR
+@click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
+@click.option("--item", default="state", show_default=True, help="state or rng.")
+@click.option("--filter", "pattern", help="Only leaves whose name matches this regex.")
+@JSON_OPTION
+def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | None, as_json):
+    """The leaves of a step: path, shape, dtype, saved sharding, bytes. Reads metadata only."""
+    _cpu()
+    try:
+        wanted = re.compile(pattern) if pattern is not None else None
+    except re.error as e:
+        raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
+    store = _store(checkpoint_dir)
+    try:
+        step = _step(store, step)
+        info = store.read_info(step)
+    finally:
+        store.close()
+    specs = [s for s in _specs(info, item) if wanted is None or wanted.search(s.name)]
+    total = sum(_nbytes(s) for s in specs)
+    if as_json:
+        _json(
+            {
+                "step": step,
+                "item": item,
+                "saved_at": info.get("saved_at"),
+                "process_count": info.get("process_count"),
+                "data": info.get("data"),
+                "meta": info.get("meta"),
+                "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
+                "bytes": total,
+            }
+        )
+        return
+    click.echo(
+        f"step {step} of {checkpoint_dir}, saved {info.get('saved_at', '?')[:19]} by "
+        f"{info.get('process_count', '?')} process(es), jax {info['versions'].get('jax', '?')}"
+    )
+    if info.get("data"):
+        click.echo(f"data iterator state: {info['data']} (one per process)")
+    if info.get("meta") is not None:
+        click.echo(f"meta: {json.dumps(info['meta'])[:200]}")
+    _table(
+        ["leaf", "shape", "dtype", "saved sharding", "bytes"],
+        [[s.name, str(tuple(s.shape)), s.dtype, _layout(s), f"{_nbytes(s):,}"] for s in specs],
+    )
+    click.echo(f"{len(specs)} leaves, {total:,} bytes ({_size(total)})")
+
+
+@main.command()
+@click.argument("first", metavar="DIR|DIR_A")
+@click.argument("second", metavar="STEP_A|DIR_B")
+@click.argument("third", metavar="[STEP_B]", required=False)
+@click.option("--item", default="state", show_default=True, help="state or rng.")
+@click.option("--values", is_flag=True, help="Read both and report max |a - b| per leaf.")
+@JSON_OPTION
+def diff(first: str, second: str, third: str | None, item: str, values: bool, as_json: bool):
+    """Two steps of one directory (DIR STEP_A STEP_B) or the latest steps of two
+    directories (DIR_A DIR_B): leaves added, removed, changed in shape or dtype, and with
+    --values the largest absolute difference of each leaf."""
+    _cpu()
+    import numpy as np
+
+    from jaxckpt.plan import read_batches
+    from jaxckpt.tree import ReadRequest
+
+    if third is not None:
+        try:
+            sides = [(first, int(second)), (first, int(third))]
+        except ValueError:
+            raise click.BadParameter(
+                f"with three arguments, STEP_A and STEP_B are step numbers: got {second!r}, "
+                f"{third!r}"
+            ) from None
+    else:
+        sides = [(first, None), (second, None)]
+    stores = [_store(d) for d, _ in sides]
+    try:
+        steps = [_step(store, s) for store, (_, s) in zip(stores, sides, strict=True)]
+        a, b = (
+            {s.name: s for s in _specs(store.read_info(step), item)}
+            for store, step in zip(stores, steps, strict=True)
+        )
+        added = sorted(set(b) - set(a))
+        removed = sorted(set(a) - set(b))
+        changed = sorted(
+            n for n in set(a) & set(b) if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype)
+        )
+        same = {n: a[n] for n in sorted(set(a) & set(b)) if n not in changed}
+        deltas: dict[str, float] = {}
+        if values:
+            requests = {}
+            for name, spec in same.items():
+                shape, dtype = _stored(spec)
+                requests[name] = ReadRequest(shape, dtype, None)
+            total, done = sum(_nbytes(s) for s in same.values()), 0
+            with _progress("compare {key}") as update:
+                for batch in read_batches(requests, 128 * 2**20):
+                    got = [
+                        store.read_arrays(step, item, {n: requests[n] for n in batch})
+                        for store, step in zip(stores, steps, strict=True)
+                    ]
+                    for name in batch:
+                        x, y = (np.asarray(g[name]) for g in got)
+                        if x.dtype.kind in "fcV" or x.dtype.name == "bfloat16":
+                            x, y = x.astype(np.float64), y.astype(np.float64)
+                        elif x.dtype.kind == "b":
+                            x, y = x.astype(np.int8), y.astype(np.int8)
+                        else:
+                            x, y = x.astype(np.int64), y.astype(np.int64)
+                        deltas[name] = float(np.max(np.abs(x - y))) if x.size else 0.0
+                        done += _nbytes(same[name])
+                        update("values", done, total)
+    finally:
+        for store in stores:
+            store.close()
+
+    def describe(spec) -> str:
+        return f"{tuple(spec.shape)} {spec.dtype}"
+
+    differing = {n: d for n, d in deltas.items() if d != 0}
+    if as_json:
+        _json(
+            {
+                "a": {"directory": sides[0][0], "step": steps[0]},
+                "b": {"directory": sides[1][0], "step": steps[1]},
+                "item": item,
+                "added": added,
+                "removed": removed,
+                "changed": {n: [describe(a[n]), describe(b[n])] for n in changed},
+                "max_abs_diff": deltas if values else None,
+                "identical": not (added or removed or changed or differing) if values else None,
+            }
+        )
+        return
+    click.echo(
+        f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
+        f"{len(a)} and {len(b)} leaves)"
+    )
+    for name in added:
+        click.echo(f"  added    {name}  {describe(b[name])}")
+    for name in removed:
+        click.echo(f"  removed  {name}  {describe(a[name])}")
+    for name in changed:
+        click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
+    for name, d in differing.items():
+        click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
+    summary = f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
+    if values:
+        largest = max(differing.values(), default=0.0)
+        summary += (
+            f", {len(differing)} of {len(same)} differ in value (largest |a - b|: {largest:.6g})"
+        )
+    click.echo(summary)
+
+
+@main.command()
+@DIR
+@click.option("--mesh", required=True, help="Target mesh shape, e.g. 2x4.")
+@click.option("--axes", help="Its axis names, e.g. data,model (default: the saved mesh's).")
+@click.option("--hosts", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--step", type=int, help="Step to plan (default: the latest committed).")
+@click.option(
+    "--inflight-bytes",
+    type=click.IntRange(min=1),
+    default=128 * 2**20,
+    show_default=True,
+    help="The restore's read budget (restore_inflight_bytes).",
+)
+@JSON_OPTION
+def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> None:
+    """Restore dry-run onto another mesh: bytes each host reads and its peak memory.
+
+    Each leaf keeps its saved PartitionSpec where the target mesh has those axes and they
+    divide the leaf; otherwise it is planned replicated (and counted). Hosts hold the
+    mesh's devices in equal consecutive groups; device memory is not host memory here.
+    """
+    try:
+        shape = tuple(int(n) for n in mesh.lower().split("x"))
+        if not shape or min(shape) < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"--mesh must look like 2x4, got {mesh!r}") from None
+    devices = math.prod(shape)
+    if devices % hosts:
+        raise click.BadParameter(f"--hosts {hosts} does not divide the {devices} devices")
+    _cpu(devices)
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxckpt.plan import plan_reads
+    from jaxckpt.tree import ReadRequest
+
+    store = _store(checkpoint_dir)
+    try:
+        step = _step(store, step)
+        info = store.read_info(step)
+    finally:
+        store.close()
+    specs = _specs(info, "state")
+    saved_axes = next((tuple(s.sharding["mesh"]) for s in specs if s.spec is not None), ())
+    names = tuple(axes.split(",")) if axes else saved_axes
+    if len(names) != len(shape):
+        raise click.BadParameter(
+            f"the mesh {mesh} has {len(shape)} axes; name them with --axes (the saved "
+            f"mesh's axes are {list(saved_axes) or 'unknown'})"
+        )
+    target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
+    sizes = dict(zip(names, shape, strict=True))
+
+    def placed(spec) -> PartitionSpec:
+        saved = spec.spec
+        if saved is None:
+            return PartitionSpec()
+        for dim, entry in zip(spec.shape, saved, strict=False):
+            axes_of = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            if any(a not in sizes for a in axes_of) or dim % math.prod(sizes[a] for a in axes_of):
+                return PartitionSpec()
+        return saved
+
+    requests, replicated = {}, []
+    for spec in specs:
+        stored_shape, dtype = _stored(spec)
+        if spec.sharding is None:
+            requests[spec.name] = ReadRequest(stored_shape, dtype, None)
+            continue
+        p = placed(spec)
+        if spec.spec is not None and p != spec.spec:
+            replicated.append(spec.name)
+        entries = tuple(p) + (None,) * (len(stored_shape) - len(tuple(p)))
+        requests[spec.name] = ReadRequest(
+            stored_shape, dtype, NamedSharding(target_mesh, PartitionSpec(*entries))
+        )
+    result = plan_reads(
+        step, requests, inflight_bytes=inflight_bytes, processes=hosts, devices_on_host=False
+    )
+    if as_json:
+        _json(
+            {
+                "step": result.step,
+                "mesh": sizes,
+                "hosts": hosts,
+                "leaves": result.leaves,
+                "saved_bytes": result.saved_bytes,
+                "planned_replicated": replicated,
+                "processes": [
+                    {
+                        "process": p.process,
+                        "read_bytes": p.read_bytes,
+                        "device_bytes": p.device_bytes,
+                        "peak_host_bytes": p.peak_host_bytes,
+                    }
+                    for p in result.processes
+                ],
+            }
+        )
+        return
+    click.echo(f"onto mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())}, {hosts} host(s)")
+    click.echo(str(result))
+    if replicated:
+        click.echo(
+            f"{len(replicated)} leaves planned replicated (their saved spec does not fit "
+            f"this mesh): {', '.join(replicated[:5])}{' ...' if len(replicated) > 5 else ''}"
+        )
+
+
+@main.command()
+@DIR
+@click.argument("out_dir", metavar="OUT")
 @click.option("--step", type=int, help="Step to export (default: the latest committed).")
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Cast floating tensors."
@@ -42,20 +555,38 @@ def main(quiet: bool) -> None:
 @click.option(
     "--names", type=click.Path(dir_okay=False, exists=True), help="Name map YAML (configs/hf/)."
 )
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
-def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT.")
+@JSON_OPTION
+def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, as_json):
     """Export a checkpoint's state to Hugging Face-style sharded safetensors."""
+    _cpu()
     from jaxckpt.hf import export_safetensors
 
-    result = export_safetensors(
-        checkpoint_dir,
-        out_dir,
-        step=step,
-        names=names,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-    )
+    if not os.path.isdir(checkpoint_dir) and "://" not in checkpoint_dir:
+        raise click.ClickException(f"{checkpoint_dir}: no such checkpoint directory")
+    with _progress("export") as update:
+        result = export_safetensors(
+            checkpoint_dir,
+            out_dir,
+            step=step,
+            names=names,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            progress=lambda done, total: update("export", done, total),
+        )
+    if as_json:
+        _json(
+            {
+                "step": result.step,
+                "out_dir": str(result.out_dir),
+                "files": list(result.files),
+                "tensors": result.tensors,
+                "total_size": result.total_size,
+                "skipped": list(result.skipped),
+            }
+        )
+        return
     click.echo(
         f"exported step {result.step}: {result.tensors} tensors, {result.total_size:,} bytes "
         f"in {len(result.files)} file(s) to {result.out_dir}"
@@ -63,28 +594,40 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
 
 
 @main.command()
-@click.argument("checkpoint_dir", type=click.Path(file_okay=False))
+@DIR
 @click.option("--step", type=int, help="Verify only this step.")
-def verify(checkpoint_dir, step) -> None:
+@JSON_OPTION
+def verify(checkpoint_dir, step, as_json) -> None:
     """Check every file of every step against its manifest; exit 1 on any problem."""
-    from pathlib import Path
-
+    _cpu()
     from jaxckpt.errors import NoCheckpointError
     from jaxckpt.integrity import verify as verify_dir
 
-    if not Path(checkpoint_dir).is_dir():
-        raise FileNotFoundError(f"{checkpoint_dir} is not a directory")
-    reports = verify_dir(checkpoint_dir, step)
+    if "://" not in checkpoint_dir and not os.path.isdir(checkpoint_dir):
+        raise click.ClickException(f"{checkpoint_dir}: no such checkpoint directory")
+    with _progress("verify step {key}") as update:
+        reports = verify_dir(checkpoint_dir, step, progress=update)
     if not reports:
         raise NoCheckpointError(f"no committed checkpoint in {checkpoint_dir}")
-    for r in reports:
-        if r.ok:
-            click.echo(f"step {r.step}: ok ({r.files} files, {r.bytes:,} bytes)")
-        else:
-            click.echo(f"step {r.step}: CORRUPT")
-            for problem in r.problems:
-                click.echo(f"  {problem}")
     bad = [r.step for r in reports if not r.ok]
+    if as_json:
+        _json(
+            {
+                "ok": not bad,
+                "steps": [
+                    {"step": r.step, "files": r.files, "bytes": r.bytes, "problems": r.problems}
+                    for r in reports
+                ],
+            }
+        )
+    else:
+        for r in reports:
+            if r.ok:
+                click.echo(f"step {r.step}: ok ({r.files} files, {r.bytes:,} bytes)")
+            else:
+                click.echo(f"step {r.step}: CORRUPT")
+                for problem in r.problems:
+                    click.echo(f"  {problem}")
     if bad:
         click.echo(
             f"jaxckpt: error: {len(bad)} of {len(reports)} steps failed verification: {bad}",

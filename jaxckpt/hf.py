@@ -96,6 +96,7 @@ def export_safetensors(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     skip_unsupported: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportResult:
     """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
 
@@ -114,6 +115,7 @@ def export_safetensors(
       overwrite: replace a non-empty `out_dir`.
       skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
         note; False makes them an error.
+      progress: called with (bytes written, bytes to write) after each tensor.
     """
     out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
     limit = parse_size(max_shard_size)
@@ -143,7 +145,7 @@ def export_safetensors(
                 leaves = [by_name[t.leaf] for t in targets]
                 reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
                 try:
-                    tensors = _plan_tensors(targets, by_name, cast, reader)
+                    tensors = _plan_tensors(targets, by_name, cast, reader, progress)
                     files = _pack(tensors, limit)
                     _write(out_dir, files, file_metadata, overwrite, before_publish=check)
                 finally:
@@ -231,9 +233,10 @@ class _LeafReader:
         self._reads.clear()
 
 
-def _plan_tensors(targets, by_name, cast, reader: _LeafReader) -> list[Planned]:
+def _plan_tensors(targets, by_name, cast, reader: _LeafReader, progress=None) -> list[Planned]:
     """(name, dtype, shape, producer) for every output tensor, in leaf order."""
     planned: list[Planned] = []
+    done = [0]
     for target in targets:
         spec = by_name[target.leaf]
         dtype = np.dtype(spec.dtype)
@@ -257,9 +260,13 @@ def _plan_tensors(targets, by_name, cast, reader: _LeafReader) -> list[Planned]:
                     value = np.take(value, i, axis=target.split)
                 if target.transpose is not None:
                     value = value.transpose(target.transpose)
+                if progress is not None:
+                    done[0] += st.nbytes(dtype, value.shape)
+                    progress(done[0], total)
                 return value.astype(dtype, copy=False)
 
             planned.append((name, dtype, tuple(shape), produce))
+    total = sum(st.nbytes(t[1], t[2]) for t in planned)
     return planned
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import xxhash
 from etils import epath
@@ -70,11 +70,20 @@ def write_manifest(step_dir: epath.Path) -> None:
     (step_dir / MANIFEST_DIR / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
-def verify_step(step_dir: epath.Path, step: int, *, share: tuple[int, int] = (0, 1)) -> StepReport:
+Progress = Callable[[int, int, int], None]  # (step, bytes checked, bytes to check)
+
+
+def verify_step(
+    step_dir: epath.Path,
+    step: int,
+    *,
+    share: tuple[int, int] = (0, 1),
+    progress: Progress | None = None,
+) -> StepReport:
     """Checks every file of a step against its manifest; never raises for bad data.
 
     `share=(i, n)` checks only every n-th listed file starting at i, so that n processes
-    verify a step together, each reading a part of it.
+    verify a step together, each reading a part of it. `progress` is called after each file.
     """
     manifest_path = step_dir / MANIFEST_DIR / MANIFEST_FILE
     try:
@@ -87,7 +96,11 @@ def verify_step(step_dir: epath.Path, step: int, *, share: tuple[int, int] = (0,
         return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is unreadable: {e}",))
     problems, total = [], 0
     present = set(_files(step_dir))
-    for rel, expected in sorted(listed.items())[share[0] :: share[1]]:
+    mine = sorted(listed.items())[share[0] :: share[1]]
+    to_check = sum(e.get("size", 0) for _, e in mine if isinstance(e, dict))
+    for rel, expected in mine:
+        if progress is not None:
+            progress(step, total, to_check)
         if rel not in present:
             problems.append(f"{rel}: missing")
             continue
@@ -103,12 +116,16 @@ def verify_step(step_dir: epath.Path, step: int, *, share: tuple[int, int] = (0,
             )
         elif digest != expected.get(HASH):
             problems.append(f"{rel}: contents changed (checksum mismatch)")
+    if progress is not None:
+        progress(step, to_check, to_check)
     if share[0] == 0:
         problems += [f"{rel}: not in the manifest" for rel in sorted(present - set(listed))]
     return StepReport(step, len(listed), total, tuple(problems))
 
 
-def verify(directory: str | epath.PathLike, step: int | None = None) -> list[StepReport]:
+def verify(
+    directory: str | epath.PathLike, step: int | None = None, *, progress: Progress | None = None
+) -> list[StepReport]:
     """Verifies every committed step (or one) of a checkpoint directory; reads, never writes.
 
     Also reports step folders that look like damaged jaxckpt steps: empty, or holding a
@@ -125,7 +142,7 @@ def verify(directory: str | epath.PathLike, step: int | None = None) -> list[Ste
             if step is not None and s != step:
                 continue
             if s in committed:
-                reports.append(verify_step(path, s))
+                reports.append(verify_step(path, s, progress=progress))
             elif problem := damage(path):
                 reports.append(StepReport(s, 0, 0, (problem,)))
         if step is not None and not reports:

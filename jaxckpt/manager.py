@@ -426,6 +426,13 @@ class CheckpointManager:
             step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=data
         )
 
+    def meta(self, step: int | None = None) -> Any:
+        """The `meta=` saved with a step (None: the latest committed), reading no array:
+        e.g. the run's config, to build the model before restoring into it."""
+        self._check_open()
+        (step,) = self._candidates(step, fallback=False)
+        return self._read_info(step)["meta"]
+
     def plan(self, step: int | None = None, *, state: Any, partial: bool = False) -> RestorePlan:
         """A restore dry-run: per process, the bytes it will read and its peak host memory
         estimate. Checks `state` like `restore` does, and reads only the step's metadata.

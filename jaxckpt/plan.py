@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
 
 from jaxckpt.tree import ReadRequest
+
+ProcessOf = Callable[[jax.Device], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +64,45 @@ class RestorePlan:
 
 
 def plan_reads(
-    step: int, requests: Mapping[str, ReadRequest], *, inflight_bytes: int
+    step: int,
+    requests: Mapping[str, ReadRequest],
+    *,
+    inflight_bytes: int,
+    processes: int | None = None,
+    devices_on_host: bool | None = None,
 ) -> RestorePlan:
-    """The per-process plan for reading `requests` (as built by `tree.plan_restore`)."""
-    processes = range(jax.process_count())
+    """The per-process plan for reading `requests` (as built by `tree.plan_restore`).
+
+    `processes=n` plans for a job of n processes holding the mesh's devices in equal
+    consecutive groups by device id (what `jaxckpt plan --hosts` shows from one machine);
+    None: this job's processes. `devices_on_host`: whether the devices' memory is host
+    memory (None: true on CPU devices).
+    """
+    process_of = None
+    if processes is not None:
+        ids = sorted({d.id for r in requests.values() if r.sharding for d in r.sharding.device_set})
+        rank = {device_id: i * processes // len(ids) for i, device_id in enumerate(ids)}
+        process_of = lambda device: rank[device.id]  # noqa: E731
+    processes = range(processes or jax.process_count())
     read = dict.fromkeys(processes, 0)
     held = dict.fromkeys(processes, 0)
     batch_peak = dict.fromkeys(processes, 0)
     total = 0
-    for batch in read_batches(requests, inflight_bytes):
+    for batch in read_batches(requests, inflight_bytes, process_of):
         in_batch = dict.fromkeys(processes, 0)
         for name in batch:
             request = requests[name]
             total += math.prod(request.shape) * np.dtype(request.dtype).itemsize
-            for p, (nread, nheld) in process_bytes(request).items():
+            per_process = process_bytes(request, process_of)
+            if request.sharding is None:  # on the host: every process reads it whole
+                per_process = dict.fromkeys(processes, per_process[0])
+            for p, (nread, nheld) in per_process.items():
                 read[p] += nread
                 held[p] += nheld
                 in_batch[p] += nread
         for p in processes:
             batch_peak[p] = max(batch_peak[p], in_batch[p])
-    on_cpu = jax.devices()[0].platform == "cpu"
+    on_cpu = jax.devices()[0].platform == "cpu" if devices_on_host is None else devices_on_host
     plans = tuple(
         # A batch in flight is held twice: the decoded bytes and their device copy.
         ProcessPlan(p, read[p], held[p], 2 * batch_peak[p] + (held[p] if on_cpu else 0))
@@ -90,7 +111,9 @@ def plan_reads(
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
 
 
-def read_batches(requests: Mapping[str, ReadRequest], budget: int) -> list[list[str]]:
+def read_batches(
+    requests: Mapping[str, ReadRequest], budget: int, process_of: ProcessOf | None = None
+) -> list[list[str]]:
     """The request names in consecutive batches that each read at most `budget` bytes on
     any process (a larger leaf makes a batch alone). A restore reads one batch at a time,
     which bounds its staging memory; the batches are the same on every process, since
@@ -98,7 +121,7 @@ def read_batches(requests: Mapping[str, ReadRequest], budget: int) -> list[list[
     batches: list[list[str]] = []
     size = budget + 1
     for name, request in requests.items():
-        nbytes = max(nread for nread, _ in process_bytes(request).values())
+        nbytes = max(nread for nread, _ in process_bytes(request, process_of).values())
         if size + nbytes > budget:
             batches.append([])
             size = 0
@@ -107,11 +130,14 @@ def read_batches(requests: Mapping[str, ReadRequest], budget: int) -> list[list[
     return batches
 
 
-def process_bytes(request: ReadRequest) -> dict[int, tuple[int, int]]:
+def process_bytes(
+    request: ReadRequest, process_of: ProcessOf | None = None
+) -> dict[int, tuple[int, int]]:
     """For each process: (bytes it reads, bytes its devices hold) of one request.
 
     A slice replicated on several devices of one process is read once. A host (NumPy)
-    request is read whole by every process and held by no device.
+    request is read whole by every process and held by no device. `process_of(device)`
+    overrides `device.process_index`.
     """
     itemsize = np.dtype(request.dtype).itemsize
     if request.sharding is None:
@@ -120,7 +146,7 @@ def process_bytes(request: ReadRequest) -> dict[int, tuple[int, int]]:
     distinct: dict[int, set] = {}
     out: dict[int, tuple[int, int]] = {}
     for device, index in request.sharding.devices_indices_map(request.shape).items():
-        p = device.process_index
+        p = device.process_index if process_of is None else process_of(device)
         nbytes = _slice_bytes(index, request.shape) * itemsize
         nread, nheld = out.get(p, (0, 0))
         key = tuple((s.start, s.stop) for s in index)

@@ -116,7 +116,7 @@ def write_file(
     with open(path, "wb") as f:
         f.write(head)
         for name, dtype, shape, produce in tensors:
-            array = np.ascontiguousarray(produce(), dtype=dtype)
+            array = np.asarray(produce(), dtype=dtype, order="C")  # keeps 0-d as 0-d
             if array.shape != tuple(shape):
                 raise AssertionError(f"{name}: produced {array.shape}, planned {tuple(shape)}")
             if array.dtype.byteorder == ">":
@@ -134,7 +134,7 @@ def write_region(
     Each contiguous run of the tensor's C-order layout is one `pwrite`; a slice that spans
     whole trailing dimensions is one run.
     """
-    data = np.ascontiguousarray(data)
+    data = np.asarray(data, order="C")  # (ascontiguousarray would make 0-d 1-d)
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
     starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]

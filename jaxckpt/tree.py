@@ -49,6 +49,10 @@ class LeafSpec:
     dtype: str  # NumPy dtype name, or the key dtype (e.g. "key<fry>") for KEY leaves
     kind: str = ARRAY
     key_impl: str | None = None
+    # How the leaf was laid out when saved, for `jaxckpt inspect` and `plan` (None: on the
+    # host, or a step older than this field): {"mesh": {axis: size}, "spec": [...]} for a
+    # NamedSharding (spec entries: null, an axis, or a list of axes), {"devices": n} else.
+    sharding: dict[str, Any] | None = None
 
     @property
     def display(self) -> str:
@@ -70,6 +74,16 @@ class LeafSpec:
             dtype=d["dtype"],
             kind=d.get("kind", ARRAY),
             key_impl=d.get("key_impl"),
+            sharding=d.get("sharding"),
+        )
+
+    @property
+    def spec(self) -> jax.sharding.PartitionSpec | None:
+        """The saved PartitionSpec, when the leaf was saved with a NamedSharding."""
+        if not self.sharding or "spec" not in self.sharding:
+            return None
+        return jax.sharding.PartitionSpec(
+            *(tuple(e) if isinstance(e, list) else e for e in self.sharding["spec"])
         )
 
 
@@ -116,6 +130,7 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
             value = jax.random.key_data(leaf)
         else:
             value, spec = leaf, LeafSpec(name, entries, leaf.shape, np.dtype(leaf.dtype).name)
+        spec = dataclasses.replace(spec, sharding=_layout(leaf.sharding))
         if jax.process_count() > 1 and value.is_fully_addressable:
             # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
             # refuses in a multi-process job: it is saved like a NumPy array, from process 0,
@@ -135,6 +150,15 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         "of a numeric dtype or Python/NumPy scalars that fit one. Put other values in meta= "
         "(JSON), or make them static pytree fields."
     )
+
+
+def _layout(sharding: jax.sharding.Sharding) -> dict[str, Any]:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return {
+            "mesh": dict(sharding.mesh.shape),
+            "spec": [list(e) if isinstance(e, tuple) else e for e in sharding.spec],
+        }
+    return {"devices": len(sharding.device_set)}
 
 
 def check_json(value: Any, path: str = "meta") -> None:
