@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save chatter
 SPEC = json.loads(sys.argv[1])
 WORK = sys.argv[2]
 if SPEC["platform"] == "cpu":  # before the first use of a device
@@ -217,6 +219,7 @@ def record(contender, metric, value):
 
 step = 0
 for round_ in range(SPEC["runs"] + 1):  # round 0 warms up (and is the first save)
+    print(f"  round {round_}/{SPEC['runs']}", file=sys.stderr, flush=True)
     for name, c in contenders.items():
         step += 1
         with PeakRSS() as rss:
