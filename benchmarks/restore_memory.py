@@ -72,7 +72,10 @@ WORKER = textwrap.dedent(
     else:
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
         target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
-        m = jaxckpt.CheckpointManager("{directory}", read_only=True, verify_on_restore={verify})
+        m = jaxckpt.CheckpointManager(
+            "{directory}", read_only=True, verify_on_restore={verify},
+            restore_inflight_bytes={inflight},
+        )
         plan = m.plan(state=target).processes[jax.process_index()]
         base, before, t0 = rss(), decoded(), time.perf_counter()
         restored = m.restore(state=target)
@@ -94,7 +97,12 @@ def free_port() -> int:
 
 
 def run(
-    mode: str, directory: Path, processes: int, devices: int, verify: bool = True
+    mode: str,
+    directory: Path,
+    processes: int,
+    devices: int,
+    verify: bool = True,
+    inflight: int | None = None,
 ) -> list[dict]:
     port = free_port()
     procs = [
@@ -112,6 +120,7 @@ def run(
                     shape=SHAPE,
                     leaves=LEAVES,
                     verify=verify,
+                    inflight=inflight,
                 ),
             ],
             stdout=subprocess.PIPE,
@@ -146,9 +155,15 @@ def main() -> int:
     try:
         run("save", directory, processes=1, devices=8)
         rows = []
-        for processes, devices, verify in [(1, 8, True), (1, 8, False), (2, 4, True)]:
+        for processes, devices, verify, inflight in [
+            (1, 8, True, None),
+            (1, 8, True, 128 * 2**20),
+            (1, 8, False, 128 * 2**20),
+            (2, 4, True, 128 * 2**20),
+        ]:
             runs = [
-                run("restore", directory, processes, devices, verify) for _ in range(args.repeat)
+                run("restore", directory, processes, devices, verify, inflight)
+                for _ in range(args.repeat)
             ]
             for p in range(processes):
 
@@ -157,7 +172,12 @@ def main() -> int:
 
                 rows.append(
                     {
-                        "layout": f"{processes} process(es) x {devices} devices"
+                        "layout": f"{processes} process(es) x {devices} devices, "
+                        + (
+                            "restore_inflight_bytes=None (a quarter of host memory)"
+                            if inflight is None
+                            else f"restore_inflight_bytes={inflight // 2**20} MiB"
+                        )
                         + ("" if verify else ", verify_on_restore=False"),
                         "process": p,
                         "peak_ratio": median("peak_above") / STATE_BYTES,

@@ -92,7 +92,7 @@ class OrbaxStore:
         directory: str | epath.PathLike,
         *,
         timeout_s: int = 1200,
-        restore_inflight_bytes: int = 128 * 2**20,
+        restore_inflight_bytes: int = 2**30,
         compression: str | None = None,
         read_only: bool = False,
         before_commit: Callable[[epath.Path], None] | None = None,

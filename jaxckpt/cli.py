@@ -440,9 +440,8 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
 @click.option(
     "--inflight-bytes",
     type=click.IntRange(min=1),
-    default=128 * 2**20,
-    show_default=True,
-    help="The restore's read budget (restore_inflight_bytes).",
+    help="The restore's read budget (restore_inflight_bytes; default: a quarter of this "
+    "machine's memory, as the manager's default).",
 )
 @JSON_OPTION
 def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> None:
@@ -466,7 +465,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxckpt.plan import plan_reads
+    from jaxckpt.plan import auto_inflight_bytes, plan_reads
     from jaxckpt.tree import ReadRequest
 
     store = _store(checkpoint_dir)
@@ -510,7 +509,11 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
             stored_shape, dtype, NamedSharding(target_mesh, PartitionSpec(*entries))
         )
     result = plan_reads(
-        step, requests, inflight_bytes=inflight_bytes, processes=hosts, devices_on_host=False
+        step,
+        requests,
+        inflight_bytes=inflight_bytes or auto_inflight_bytes(),
+        processes=hosts,
+        devices_on_host=False,
     )
     if as_json:
         _json(

@@ -41,7 +41,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.lock import WriterLock
-from jaxckpt.plan import RestorePlan, plan_reads
+from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
@@ -83,7 +83,8 @@ class CheckpointManager:
       timeout_s: how long a background save may take, barriers between processes included.
       restore_inflight_bytes: a restore reads its leaves in batches of at most this many
         bytes per process (or one larger leaf), which bounds its host staging memory (see
-        `plan`).
+        `plan`). None: a quarter of the host's memory (of the smallest host's, in a
+        multi-process job), so that a state which fits is read at once.
       compression: None (the default: raw bytes) or "zstd". zstd stores float weights ~7%
         smaller and writes them at about half the rate (BENCHMARKS.md). Steps saved either
         way restore the same.
@@ -104,7 +105,7 @@ class CheckpointManager:
         preemption: PreemptionPolicy = PreemptionPolicy(),
         clock: Callable[[], float] = time.monotonic,
         timeout_s: int = 1200,
-        restore_inflight_bytes: int = 128 * 2**20,
+        restore_inflight_bytes: int | None = None,
         compression: str | None = None,
         verify_on_restore: bool = True,
         read_only: bool = False,
@@ -115,7 +116,9 @@ class CheckpointManager:
             raise ConfigError(f"retention must be a jaxckpt.RetentionPolicy, got {retention!r}")
         if not isinstance(preemption, PreemptionPolicy):
             raise ConfigError(f"preemption must be a jaxckpt.PreemptionPolicy, got {preemption!r}")
-        if restore_inflight_bytes <= 0:
+        if restore_inflight_bytes is None:
+            restore_inflight_bytes = auto_inflight_bytes()
+        elif restore_inflight_bytes <= 0:
             raise ConfigError(
                 f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
             )

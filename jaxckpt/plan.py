@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxckpt.tree import ReadRequest
 
@@ -109,6 +111,19 @@ def plan_reads(
         for p in processes
     )
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
+
+
+def auto_inflight_bytes() -> int:
+    """A quarter of this host's memory, at least 128 MiB; in a multi-process job the
+    smallest host's, since every process must read the same batches."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        total = 4 * 2**30
+    mib = max(128, total // 4 // 2**20)
+    if jax.process_count() > 1:
+        mib = int(np.min(multihost_utils.process_allgather(np.int32(mib))))
+    return mib * 2**20
 
 
 def read_batches(
