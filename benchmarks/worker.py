@@ -319,11 +319,14 @@ class Export:
     def jaxckpt_export(self):
         jaxckpt.export_safetensors(self.ckpt, self.out + "-jaxckpt", overwrite=True)
 
-    def save_file(self):
+    def save_file(self, host=None):
         path = self.out + "-st.safetensors"
-        safetensors.numpy.save_file(self.host, path)
+        safetensors.numpy.save_file(self.host if host is None else host, path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
+
+    def gather_save_file(self):
+        self.save_file({k: np.asarray(v) for k, v in state.items()})
 
     def jaxckpt_import(self):
         return jaxckpt.load_safetensors(self.out + "-jaxckpt", targets["same mesh"])
@@ -340,6 +343,7 @@ if SPEC["export"]:
         "jaxckpt save_safetensors (live state)": e.jaxckpt_live,
         "jaxckpt export_safetensors (from the checkpoint)": e.jaxckpt_export,
         "safetensors save_file (host arrays)": e.save_file,
+        "np.asarray (gather) + safetensors save_file": e.gather_save_file,
         "jaxckpt load_safetensors": e.jaxckpt_import,
         "safetensors load_file + device_put": e.load_file,
     }
