@@ -19,11 +19,11 @@ demo: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/pytest
 
-# Side-by-side benchmarks (BENCHMARKS.md); bench-quick runs the 64 MiB state only (~1 min).
+# Side-by-side benchmarks (BENCHMARKS.md, ~20 min on 2 cores); bench-quick: the 64 MiB state
+# only (~1 min). On a machine with an accelerator: bash benchmarks/gpu.sh
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/restore_memory.py
-	$(BIN)/python benchmarks/hf_io.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --quick

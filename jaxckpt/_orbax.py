@@ -30,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxckpt.errors import NoCheckpointError, StepNotFoundError
 from jaxckpt.plan import read_batches
 from jaxckpt.tree import ReadRequest
 
@@ -144,6 +145,17 @@ class OrbaxStore:
         return sorted(
             s for s in self._mngr.all_steps() if (self.step_dir(s) / INFO / INFO_FILE).exists()
         )
+
+    def resolve(self, step: int | None) -> int:
+        """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
+        steps = self.committed_steps()
+        if not steps:
+            raise NoCheckpointError(f"no committed checkpoint in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise StepNotFoundError(step, steps, str(self.directory))
+        return step
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""

@@ -91,17 +91,14 @@ def _store(directory: str):
     return _orbax.OrbaxStore(epath.Path(directory), read_only=True)
 
 
-def _step(store, step: int | None) -> int:
-    from jaxckpt.errors import NoCheckpointError, StepNotFoundError
-
-    steps = store.committed_steps()
-    if not steps:
-        raise NoCheckpointError(f"no committed checkpoint in {store.directory}")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise StepNotFoundError(step, steps, str(store.directory))
-    return step
+def _info(directory: str, step: int | None) -> tuple[int, dict]:
+    """The step (None: the latest committed) and its jaxckpt metadata."""
+    store = _store(directory)
+    try:
+        step = store.resolve(step)
+        return step, store.read_info(step)
+    finally:
+        store.close()
 
 
 def _specs(info: dict, item: str) -> list:
@@ -287,12 +284,7 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
         wanted = re.compile(pattern) if pattern is not None else None
     except re.error as e:
         raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
-    store = _store(checkpoint_dir)
-    try:
-        step = _step(store, step)
-        info = store.read_info(step)
-    finally:
-        store.close()
+    step, info = _info(checkpoint_dir, step)
     specs = [s for s in _specs(info, item) if wanted is None or wanted.search(s.name)]
     total = sum(_nbytes(s) for s in specs)
     if as_json:
@@ -353,7 +345,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         sides = [(first, None), (second, None)]
     stores = [_store(d) for d, _ in sides]
     try:
-        steps = [_step(store, s) for store, (_, s) in zip(stores, sides, strict=True)]
+        steps = [store.resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
         a, b = (
             {s.name: s for s in _specs(store.read_info(step), item)}
             for store, step in zip(stores, steps, strict=True)
@@ -468,12 +460,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     from jaxckpt.plan import auto_inflight_bytes, plan_reads
     from jaxckpt.tree import ReadRequest
 
-    store = _store(checkpoint_dir)
-    try:
-        step = _step(store, step)
-        info = store.read_info(step)
-    finally:
-        store.close()
+    step, info = _info(checkpoint_dir, step)
     specs = _specs(info, "state")
     saved_axes = next((tuple(s.sharding["mesh"]) for s in specs if s.spec is not None), ())
     names = tuple(axes.split(",")) if axes else saved_axes

@@ -41,9 +41,7 @@ from jaxckpt.errors import (
     FormatError,
     LeafMismatchError,
     MissingShardingError,
-    NoCheckpointError,
     OutputExistsError,
-    StepNotFoundError,
     TreeMismatchError,
     UnsupportedValueError,
 )
@@ -125,7 +123,7 @@ def export_safetensors(
 
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
     try:
-        step = _resolve_step(store, step)
+        step = store.resolve(step)
         # The files are hashed in a worker thread while the tensors are written to a
         # temporary directory, which is published only if they match: corrupt weights are
         # never shipped.
@@ -189,17 +187,6 @@ def _without_keys(
     for name in keys:
         log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
     return [t for t in targets if t.leaf not in keys], keys
-
-
-def _resolve_step(store: _orbax.OrbaxStore, step: int | None) -> int:
-    steps = store.committed_steps()
-    if not steps:
-        raise NoCheckpointError(f"no committed checkpoint in {store.directory}")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise StepNotFoundError(step, steps, str(store.directory))
-    return step
 
 
 Planned = tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]
