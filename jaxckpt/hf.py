@@ -53,7 +53,7 @@ log = logging.getLogger("jaxckpt")
 
 SINGLE_FILE = "model.safetensors"
 READ_BATCH_BYTES = 128 * 2**20  # export reads about this many bytes per Orbax call
-LIVE_WRITERS = 4  # save_safetensors writes this many leaves at once
+LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
 INDEX_FILE = "model.safetensors.index.json"
 CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -374,15 +374,31 @@ def save_safetensors(
     fds = {f: os.open(tmp / f, os.O_WRONLY) for f in files}
 
     def write(target: Target) -> None:
-        for index, data in _local_pieces(leaves[target.leaf], primary):
+        pieces = _local_pieces(leaves[target.leaf], primary)
+        if target.split is None and target.transpose is None:
+            # The common case: the shards' rows go to the file with gathered writes, no copy.
+            f, offset, shape = where[target.names[0]]
+            rows: dict[tuple, list] = {}  # pieces by their rows (all axes but the last)
+            for index, data in pieces:
+                if data.dtype == dtypes[target.names[0]]:
+                    key = tuple((s.start, s.stop) for s in index[:-1])
+                    rows.setdefault(key, []).append((index, data))
+            written = set()
+            for block in rows.values():
+                if st.write_rows(fds[f], offset, shape, block):
+                    written.update(id(data) for _, data in block)
+            pieces = [(index, data) for index, data in pieces if id(data) not in written]
+        for axis in reversed(range(len(pieces[0][0]) if pieces else 0)):
+            pieces = _join_along(pieces, axis)  # the rest: larger blocks, fewer writes
+        for index, data in pieces:
             for tensor, region, piece in _to_tensors(target, index, data):
                 f, offset, shape = where[tensor]
                 piece = piece.astype(dtypes[tensor], copy=False)
                 st.write_region(fds[f], offset, shape, region, piece)
 
     try:
-        # Leaves in parallel: device-to-host copies, joins and pwrites overlap (all release
-        # the GIL); at most LIVE_WRITERS leaves are on the host at once.
+        # Leaves in parallel: device-to-host copies and writes overlap (both release the
+        # GIL); at most LIVE_WRITERS leaves are on the host at once.
         with concurrent.futures.ThreadPoolExecutor(LIVE_WRITERS, "jaxckpt-export") as pool:
             list(pool.map(write, targets))
         for fd in fds.values():
@@ -404,10 +420,9 @@ def _is_key(leaf: Any) -> bool:
 
 def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
     """(index with concrete bounds, host data) of what this process writes of a leaf: one
-    replica of each of its shards, those side by side joined into larger blocks (a run of
-    shards that spans whole rows is then one write instead of one per row)."""
+    replica of each of its shards (on CPU devices a view, elsewhere a device-to-host copy)."""
     if isinstance(leaf, jax.Array):
-        pieces = [
+        return [
             (
                 tuple(slice(*s.indices(n)[:2]) for s, n in zip(sh.index, leaf.shape, strict=True)),
                 np.asarray(sh.data),
@@ -415,9 +430,6 @@ def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.
             for sh in leaf.addressable_shards
             if sh.replica_id == 0
         ]
-        for axis in reversed(range(leaf.ndim)):
-            pieces = _join_along(pieces, axis)
-        return pieces
     if primary:  # NumPy arrays and scalars: process 0 writes them
         value = np.asarray(leaf)
         return [(tuple(slice(None) for _ in value.shape), value)]

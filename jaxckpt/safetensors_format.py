@@ -151,6 +151,70 @@ def write_region(
         os.pwrite(fd, run.data, offset + element * data.dtype.itemsize)
 
 
+try:  # buffers per gathered write
+    _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 1024
+
+
+def write_rows(
+    fd: int, offset: int, shape: tuple[int, ...], parts: list[tuple[tuple[slice, ...], np.ndarray]]
+) -> bool:
+    """Writes pieces of a tensor that sit side by side along its last axis and together span
+    it, for rows that are contiguous in the file, with gathered writes (`os.pwritev`) straight
+    from the pieces' memory: no copy. Returns False, writing nothing, for pieces that do not
+    form such a block (split on a middle axis, non-contiguous, big-endian): use
+    `write_region` for those.
+    """
+    if not shape or not parts:
+        return False
+    parts = sorted(parts, key=lambda part: part[0][-1].indices(shape[-1])[0])
+    leading = [
+        tuple(s.indices(n)[:2] for s, n in zip(i[:-1], shape[:-1], strict=True)) for i, _ in parts
+    ]
+    if any(lead != leading[0] for lead in leading):
+        return False
+    for axis, (start, stop) in enumerate(leading[0][1:], start=1):
+        if (start, stop) != (0, shape[axis]):  # rows would not be contiguous in the file
+            return False
+    edge = 0
+    for index, data in parts:
+        start, stop = index[-1].indices(shape[-1])[:2]
+        if start != edge or not data.flags.c_contiguous or data.dtype.byteorder == ">":
+            return False
+        edge = stop
+    if edge != shape[-1]:
+        return False
+    rows = math.prod(stop - start for start, stop in leading[0])
+    first_row = leading[0][0][0] if leading[0] else 0
+    row_bytes = shape[-1] * parts[0][1].dtype.itemsize
+    position = offset + first_row * math.prod(shape[1:]) * parts[0][1].dtype.itemsize
+    views = [data.reshape(rows, -1).view(np.uint8) for _, data in parts]
+    if len(views) == 1:  # whole rows: one buffer
+        _pwrite_all(fd, [views[0].reshape(-1)], position)
+        return True
+    per_call = max(1, _IOV_MAX // len(views))
+    for r in range(0, rows, per_call):
+        block = range(r, min(rows, r + per_call))
+        _pwrite_all(fd, [v[i] for i in block for v in views], position + r * row_bytes)
+    return True
+
+
+def _pwrite_all(fd: int, buffers: list, position: int) -> None:
+    """`os.pwritev` until every buffer is written (a call may write less)."""
+    buffers = [memoryview(b).cast("B") for b in buffers]
+    while buffers:
+        written = os.pwritev(fd, buffers, position)
+        if not written:
+            raise OSError(f"pwritev wrote nothing at offset {position}")
+        position += written
+        while buffers and written >= len(buffers[0]):
+            written -= len(buffers[0])
+            buffers.pop(0)
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and metadata of one file; FormatError for anything malformed."""
     try:

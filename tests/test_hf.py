@@ -446,3 +446,52 @@ def test_export_refuses_a_corrupt_step(small_checkpoint, tmp_path, damage, probl
     ):
         jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no output, no temporary
+
+
+@pytest.mark.parametrize(
+    ("shape", "cuts"),
+    [
+        (
+            (6, 2, 10),
+            [(slice(2, 5), slice(0, 2), slice(a, b)) for a, b in [(0, 3), (3, 4), (4, 10)]],
+        ),
+        ((10,), [(slice(a, b),) for a, b in [(0, 5), (5, 10)]]),
+        ((3000, 4), [(slice(0, 3000), slice(a, a + 1)) for a in range(4)]),  # > IOV_MAX rows
+        ((4, 8), [(slice(1, 3), slice(0, 8))]),  # whole rows: one buffer
+    ],
+    ids=["3d-last-axis", "1d", "many-rows", "whole-rows"],
+)
+def test_write_rows_gathers_side_by_side_pieces(tmp_path, shape, cuts):
+    from jaxckpt import safetensors_format as st
+
+    full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"\0" * (16 + full.nbytes))
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert st.write_rows(fd, 16, shape, [(c, np.ascontiguousarray(full[c])) for c in cuts])
+    finally:
+        os.close(fd)
+    got = np.frombuffer(path.read_bytes()[16:], np.float32).reshape(shape)
+    rows = cuts[0][:-1]
+    np.testing.assert_array_equal(got[rows], full[rows])
+    outside = np.ones(shape, bool)
+    outside[rows] = False
+    assert not got[outside].any()  # nothing written elsewhere
+
+
+def test_write_rows_refuses_what_is_not_a_block_of_whole_rows(tmp_path):
+    from jaxckpt import safetensors_format as st
+
+    full = np.arange(48, dtype=np.float32).reshape(4, 3, 4)
+    fd = os.open(tmp_path / "t.bin", os.O_WRONLY | os.O_CREAT)
+    try:
+        middle = (slice(0, 4), slice(0, 2), slice(0, 4))  # split on a middle axis
+        assert not st.write_rows(fd, 0, full.shape, [(middle, full[middle])])
+        half = (slice(0, 4), slice(0, 3), slice(0, 2))  # does not span the last axis
+        assert not st.write_rows(fd, 0, full.shape, [(half, full[half])])
+        strided = (slice(0, 4), slice(0, 3), slice(0, 4))
+        assert not st.write_rows(fd, 0, full.shape, [(strided, np.asfortranarray(full))])
+    finally:
+        os.close(fd)
+    assert (tmp_path / "t.bin").stat().st_size == 0

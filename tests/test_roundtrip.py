@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -688,6 +689,10 @@ def test_meta_roundtrip(ckpt_dir):
         assert m.restore(1).meta == meta
         assert m.restore(2).meta == ["a", 1, None]
         assert m.restore(3).meta is None
+        # Without reading any array: a step's meta, or the latest step's.
+        assert m.meta(1) == meta and m.meta(2) == ["a", 1, None] and m.meta() is None
+        with pytest.raises(jaxckpt.errors.StepNotFoundError, match="step 4"):
+            m.meta(4)
 
 
 # ------------------------------------------------------------------------------- steps
