@@ -56,8 +56,8 @@ WORKER = textwrap.dedent(
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def decoded():
-        for m in ts.experimental_collect_matching_metrics("/tensorstore/internal/riegeli/"):
-            if m["name"].endswith("noncontiguous_bytes"):
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
+            if m["name"].endswith("bytes_read"):
                 return m["values"][0]["value"]
         return 0
 

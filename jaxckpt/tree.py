@@ -17,6 +17,7 @@ keeps Orbax's view of the tree flat and simple, and puts every tree concern here
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,16 +114,16 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     """
     arrays: dict[str, Any] = {}
     specs: list[LeafSpec] = []
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple] = {}
     for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
         entries = _entries(path)
         name = _name(entries)
         if name in seen:
             raise UnsupportedValueError(
-                f"{item} leaves {seen[name]} and {_display(entries)} both map to the stored name "
+                f"{item} leaves {_display(seen[name])} and {_display(entries)} both map to the stored name "
                 f"{name!r}; rename one of the keys (stored names join the path with '.')."
             )
-        seen[name] = _display(entries)
+        seen[name] = entries
         arrays[name], spec = _encode(leaf, name, entries, item)
         specs.append(spec)
     return arrays, specs
@@ -131,12 +132,15 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
 def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafSpec]:
     if isinstance(leaf, jax.Array):
         layout = _layout(leaf.sharding)
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        # (a NumPy dtype is never a key: the common case skips the slower issubdtype)
+        if not isinstance(leaf.dtype, np.dtype) and jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
             impl = str(jax.random.key_impl(leaf))
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl, layout)
             value = jax.random.key_data(leaf)
         else:
-            dtype = np.dtype(leaf.dtype).name
+            dtype = _dtype_name(leaf.dtype)
             value, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
         if jax.process_count() > 1 and value.is_fully_addressable:
             # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
@@ -159,6 +163,12 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
     )
 
 
+@functools.lru_cache(maxsize=256)  # numpy's dtype.name is slow Python; save blocks on this
+def _dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=1024)  # a state has few distinct shardings; save blocks on this
 def _layout(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return {
