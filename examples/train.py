@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="YAML file of Config fields (configs/*.yaml)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (omit: no checkpoints)")
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--save-every", type=int, default=10, help="save every N steps")
+    parser.add_argument(
+        "--save-every-seconds", type=float, help="also save when this long has passed"
+    )
     parser.add_argument("--stop-at", type=int, help="stop the process after this step")
     parser.add_argument(
         "--kill", action="store_true", help="with --stop-at: SIGKILL ourselves, no clean shutdown"
@@ -209,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     mngr, start = None, 0
     if args.ckpt_dir is not None:
         mngr = jaxckpt.CheckpointManager(
-            args.ckpt_dir, policy=jaxckpt.SavePolicy(every_steps=args.save_every)
+            args.ckpt_dir,
+            policy=jaxckpt.SavePolicy(
+                every_steps=args.save_every, every_seconds=args.save_every_seconds
+            ),
         )
         if mngr.latest_step() is not None:
             # The fresh state is the target: its shardings say where every restored array lands.
