@@ -8,8 +8,11 @@ from pathlib import Path
 import jax
 import pytest
 
+import gcs
+
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,6 +27,24 @@ def mesh():
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(tmp_path_factory):
+    """gs://jaxckpt-test on a real GCS emulator on 127.0.0.1, for this test session."""
+    proc, url = gcs.start(tmp_path_factory.mktemp("gcs") / "server.log")
+    patch = pytest.MonkeyPatch()
+    for key, value in gcs.point_at(url).items():
+        patch.setenv(key, value)
+    yield f"gs://{gcs.BUCKET}"
+    patch.undo()
+    gcs.stop(proc)
+
+
+@pytest.fixture
+def gcs_dir(gcs_bucket, request):
+    """A fresh gs:// prefix per test."""
+    return f"{gcs_bucket}/{request.node.name}"
 
 
 def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):

