@@ -36,3 +36,17 @@ def test_save_and_resharded_restore_on_gcs(mesh, gcs_dir):
     np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.asarray(state["w"]))
     assert restored.state["w"].sharding == NamedSharding(other, P("model", "data"))
     assert restored.meta == {"where": "gcs"} and restored.state["step"] == 3
+
+
+def test_retention_on_gcs_deletes_old_steps_in_the_background(gcs_dir):
+    state = {"x": np.arange(1000, dtype=np.float32)}
+    retention = jaxckpt.RetentionPolicy(keep_last=1)
+    with jaxckpt.CheckpointManager(gcs_dir, retention=retention) as m:
+        for step in (1, 2, 3):
+            m.save(step, state=state)
+        m.wait()
+        assert m.all_steps() == [3]
+    names = sorted(p.name for p in epath.Path(gcs_dir).iterdir())
+    assert names == ["3"], names  # deleted steps are gone once the manager closed
+    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+        np.testing.assert_array_equal(m.restore().state["x"], state["x"])
