@@ -4,6 +4,10 @@ The first steps of object-storage support: an async save and a resharded restore
 Orbax's own GCS commit (a commit marker, no rename), and jaxckpt's manifest verified there.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 from etils import epath
@@ -50,3 +54,41 @@ def test_retention_on_gcs_deletes_old_steps_in_the_background(gcs_dir):
     assert names == ["3"], names  # deleted steps are gone once the manager closed
     with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
         np.testing.assert_array_equal(m.restore().state["x"], state["x"])
+
+
+FREEZER = """
+import os, signal, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+import jax.numpy as jnp
+import jaxckpt
+
+from etils import epath
+
+m = jaxckpt.CheckpointManager(sys.argv[1])
+m.save(1, state={"x": jnp.arange(1 << 20, dtype=jnp.float32) + 1})
+m.wait()
+m.save(2, state={"x": jnp.arange(1 << 24, dtype=jnp.float32) + 2})  # 64 MiB: takes a while
+while not (epath.Path(sys.argv[1]) / "2").exists():  # until its first objects are written
+    pass
+os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-save: the parent kills us now
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir):
+    proc = subprocess.Popen([sys.executable, "-c", FREEZER, gcs_dir], stderr=subprocess.DEVNULL)
+    try:
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    # No rename on GCS: the unfinished step sits at its final path without a commit marker.
+    assert (epath.Path(gcs_dir) / "2").exists()
+    assert not (epath.Path(gcs_dir) / "2" / "commit_success.txt").exists()
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        assert m.all_steps() == [1]
+        np.testing.assert_array_equal(m.restore().state["x"], np.arange(1 << 20) + 1)
+        m.save(2, state={"x": np.zeros(4, np.float32)})  # the step number is free again
+        m.wait()
+        assert m.all_steps() == [1, 2]
