@@ -92,3 +92,16 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir):
         m.save(2, state={"x": np.zeros(4, np.float32)})  # the step number is free again
         m.wait()
         assert m.all_steps() == [1, 2]
+
+
+def test_export_from_gcs_to_local_safetensors(gcs_dir, tmp_path):
+    import safetensors.numpy
+
+    weights = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        m.save(7, state=weights)
+    result = jaxckpt.export_safetensors(gcs_dir, tmp_path / "hf")  # verified, then written
+    assert result.step == 7 and result.tensors == 2
+    exported = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+    for name, value in weights.items():
+        np.testing.assert_array_equal(exported[name], value)
