@@ -4,6 +4,7 @@ The first steps of object-storage support: an async save and a resharded restore
 Orbax's own GCS commit (a commit marker, no rename), and jaxckpt's manifest verified there.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,19 @@ def test_export_from_gcs_to_local_safetensors(gcs_dir, tmp_path):
     exported = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
     for name, value in weights.items():
         np.testing.assert_array_equal(exported[name], value)
+
+
+def test_cli_reads_a_gcs_checkpoint(gcs_dir):
+    from click.testing import CliRunner
+
+    from jaxckpt.cli import main
+
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        m.save(5, state={"w": np.ones((4, 4), np.float32)})
+    runner = CliRunner()
+    listing = json.loads(runner.invoke(main, ["ls", gcs_dir, "--verify", "--json"]).output)
+    (step,) = listing["steps"]
+    assert step["step"] == 5 and step["status"] == "verified" and step["bytes"] > 64
+    rows = runner.invoke(main, ["inspect", gcs_dir]).output.splitlines()
+    assert any(r.split()[:3] == ["w", "(4,", "4)"] for r in rows), rows
+    assert runner.invoke(main, ["verify", gcs_dir]).output.startswith("step 5: ok (")
