@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from jax import tree_util
 
 from jaxckpt import _orbax, integrity
@@ -500,7 +501,7 @@ def load_safetensors(
 
     Floating-point tensors are cast to the target's dtype; other dtypes must match.
     """
-    headers = _open(Path(path))
+    headers = _open(epath.Path(path))
     name_map = NameMap.load(names)
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     leaves = [(leaf_name(p), tree_util.keystr(p), leaf) for p, leaf in pairs]

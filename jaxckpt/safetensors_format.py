@@ -216,10 +216,12 @@ def _pwrite_all(fd: int, buffers: list, position: int) -> None:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """The tensors and metadata of one file; FormatError for anything malformed."""
+    """The tensors and metadata of one file (a local path, or an etils `epath` on object
+    storage); FormatError for anything malformed."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        stat = path.stat()
+        size = stat.st_size if hasattr(stat, "st_size") else stat.length
+        with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
@@ -271,6 +273,16 @@ def _offsets(path: Path, item: tuple[str, object]) -> tuple[int, int]:
 
 
 def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
-    """Reads `info[index]` through a memory map: only the pages holding the slice are read."""
-    whole = np.memmap(path, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
-    return np.array(whole[index])
+    """Reads `info[index]`: locally through a memory map (only the pages holding the slice),
+    on object storage (`gs://`) as one ranged read of the rows the slice spans."""
+    if "://" not in str(path):
+        whole = np.memmap(path, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
+        return np.array(whole[index])
+    shape, itemsize = info.shape, np.dtype(info.dtype).itemsize
+    first, last = index[0].indices(shape[0])[:2] if shape else (0, 1)
+    row_bytes = math.prod(shape[1:]) * itemsize
+    with path.open("rb") as f:
+        f.seek(info.begin + first * row_bytes)
+        raw = f.read((last - first) * row_bytes)
+    rows = np.frombuffer(raw, info.dtype).reshape((last - first, *shape[1:]) if shape else ())
+    return np.array(rows[(slice(None), *index[1:])] if shape else rows)

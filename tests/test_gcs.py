@@ -122,3 +122,23 @@ def test_cli_reads_a_gcs_checkpoint(gcs_dir):
     rows = runner.invoke(main, ["inspect", gcs_dir]).output.splitlines()
     assert any(r.split()[:3] == ["w", "(4,", "4)"] for r in rows), rows
     assert runner.invoke(main, ["verify", gcs_dir]).output.startswith("step 5: ok (")
+
+
+def test_import_safetensors_from_gcs_onto_a_mesh(gcs_dir, tmp_path, mesh):
+    import safetensors.numpy
+
+    weights = {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8), "b": np.ones(8, np.float32)}
+    safetensors.numpy.save_file(weights, tmp_path / "model.safetensors")
+    remote = epath.Path(gcs_dir) / "hf" / "model.safetensors"
+    remote.parent.mkdir(parents=True, exist_ok=True)
+    remote.write_bytes((tmp_path / "model.safetensors").read_bytes())
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            (64, 8), np.float32, sharding=NamedSharding(mesh, P("data", "model"))
+        ),
+        "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("model"))),
+    }
+    loaded = jaxckpt.load_safetensors(f"{gcs_dir}/hf", target)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value)
+        assert loaded[name].sharding == target[name].sharding
