@@ -117,7 +117,7 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
-    out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
+    out_dir, cast = _out_path(out_dir), _check_output(out_dir, overwrite, dtype)
     limit = parse_size(max_shard_size)
     name_map = NameMap.load(names)
     file_metadata = {"format": "pt", **(metadata or {})}
@@ -166,7 +166,7 @@ def _check_output(
     out_dir: str | os.PathLike, overwrite: bool, dtype: str | None
 ) -> np.dtype | None:
     """Refuses a non-empty output directory (unless `overwrite`); the dtype to cast to."""
-    out_dir = Path(out_dir)
+    out_dir = _out_path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise OutputExistsError(
             f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
@@ -283,6 +283,9 @@ def _write(
     overwrite: bool,
     before_publish: Callable[[], None] = lambda: None,
 ) -> None:
+    if _remote(out_dir):
+        _write_remote(epath.Path(out_dir), files, metadata, overwrite, before_publish)
+        return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -297,8 +300,25 @@ def _write(
         raise
 
 
-def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite: bool) -> None:
-    """Writes the index (last: its presence means complete) and renames `tmp` into place."""
+def _write_remote(out_dir: epath.Path, files, metadata, overwrite: bool, before_publish) -> None:
+    """Object storage has no rename: the files are written in place, each object appearing
+    whole when its upload completes, and the index last; a failed export removes them."""
+    if overwrite and out_dir.exists():
+        out_dir.rmtree()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for file_name, tensors in files.items():
+            st.write_file(out_dir / file_name, tensors, metadata)
+        before_publish()
+        _write_index(out_dir, files)
+    except BaseException:
+        out_dir.rmtree(missing_ok=True)
+        raise
+
+
+def _write_index(directory, files: dict[str, list[Planned]]) -> None:
+    """`model.safetensors.index.json` for a sharded export: written last, it marks the
+    export complete."""
     if len(files) > 1:
         index = {
             "metadata": {
@@ -306,7 +326,12 @@ def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrit
             },
             "weight_map": {t[0]: f for f, g in files.items() for t in g},
         }
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite: bool) -> None:
+    """Writes the index (last: its presence means complete) and renames `tmp` into place."""
+    _write_index(tmp, files)
     if not out_dir.exists():
         tmp.rename(out_dir)
         return
@@ -316,6 +341,14 @@ def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrit
     out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remote(path) -> bool:
+    return "://" in str(path)
+
+
+def _out_path(out_dir: str | os.PathLike):
+    return epath.Path(out_dir) if _remote(out_dir) else Path(out_dir)
 
 
 # ------------------------------------------------------------------------- live (in-job) export

@@ -110,10 +110,11 @@ def write_file(
 ) -> None:
     """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
 
-    The file is fsynced before returning.
+    A local file is fsynced before returning; `path` may be an etils `epath` on object
+    storage.
     """
     head, _ = encode_header([t[:3] for t in tensors], metadata)
-    with open(path, "wb") as f:
+    with path.open("wb") as f:
         f.write(head)
         for name, dtype, shape, produce in tensors:
             array = np.asarray(produce(), dtype=dtype, order="C")  # keeps 0-d as 0-d
@@ -123,7 +124,8 @@ def write_file(
                 array = array.astype(array.dtype.newbyteorder("<"))
             f.write(array.reshape(-1).view(np.uint8).data)
         f.flush()
-        os.fsync(f.fileno())
+        if "://" not in str(path):  # on object storage the object exists once uploaded
+            os.fsync(f.fileno())
 
 
 def write_region(

@@ -11,6 +11,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -142,3 +143,23 @@ def test_import_safetensors_from_gcs_onto_a_mesh(gcs_dir, tmp_path, mesh):
     for name, value in weights.items():
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
         assert loaded[name].sharding == target[name].sharding
+
+
+def test_export_from_gcs_to_gcs_in_shards_and_back(gcs_dir, mesh):
+    weights = {f"w{i}": np.full((16, 16), i, np.float32) for i in range(4)}
+    with jaxckpt.CheckpointManager(f"{gcs_dir}/ckpt") as m:
+        m.save(1, state=weights)
+    out = f"{gcs_dir}/hf"
+    result = jaxckpt.export_safetensors(f"{gcs_dir}/ckpt", out, max_shard_size="2KB")
+    assert len(result.files) == 4
+    names = sorted(p.name for p in epath.Path(out).iterdir())
+    assert names == sorted([*result.files, "model.safetensors.index.json"])
+    with pytest.raises(jaxckpt.errors.OutputExistsError):
+        jaxckpt.export_safetensors(f"{gcs_dir}/ckpt", out)
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("data")))
+        for k, v in weights.items()
+    }
+    loaded = jaxckpt.load_safetensors(out, target)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value)
