@@ -86,9 +86,14 @@ def _store(directory: str):
 
     from jaxckpt import _orbax
 
+    _need_dir(directory)
+    return _orbax.OrbaxStore(epath.Path(directory), read_only=True)
+
+
+def _need_dir(directory: str) -> None:
+    """A clear error for a local checkpoint directory that is not there."""
     if "://" not in directory and not os.path.isdir(directory):
         raise click.ClickException(f"{directory}: no such checkpoint directory")
-    return _orbax.OrbaxStore(epath.Path(directory), read_only=True)
 
 
 def _info(directory: str, step: int | None) -> tuple[int, dict]:
@@ -109,22 +114,8 @@ def _specs(info: dict, item: str) -> list:
     return [LeafSpec.from_json(d) for d in info["items"][item]]
 
 
-def _stored(spec) -> tuple[tuple[int, ...], Any]:
-    """The shape and NumPy dtype of a leaf as stored (a PRNG key as its uint32 key data)."""
-    import jax
-    import numpy as np
-
-    from jaxckpt.tree import KEY
-
-    if spec.kind == KEY:
-        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=spec.key_impl)))
-        return tuple(spec.shape) + data.shape, np.dtype(data.dtype)
-    return tuple(spec.shape), np.dtype(spec.dtype)
-
-
 def _nbytes(spec) -> int:
-    shape, dtype = _stored(spec)
-    return math.prod(shape) * dtype.itemsize
+    return math.prod(spec.stored_shape) * spec.stored_dtype.itemsize
 
 
 def _layout(spec) -> str:
@@ -360,8 +351,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         if values:
             requests = {}
             for name, spec in same.items():
-                shape, dtype = _stored(spec)
-                requests[name] = ReadRequest(shape, dtype, None)
+                requests[name] = ReadRequest(spec.stored_shape, spec.stored_dtype, None)
             total, done = sum(_nbytes(s) for s in same.values()), 0
             with _progress("compare {key}") as update:
                 for batch in read_batches(requests, 128 * 2**20):
@@ -484,7 +474,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
 
     requests, replicated = {}, []
     for spec in specs:
-        stored_shape, dtype = _stored(spec)
+        stored_shape, dtype = spec.stored_shape, spec.stored_dtype
         if spec.sharding is None:
             requests[spec.name] = ReadRequest(stored_shape, dtype, None)
             continue
@@ -552,8 +542,7 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
     _cpu()
     from jaxckpt.hf import export_safetensors
 
-    if not os.path.isdir(checkpoint_dir) and "://" not in checkpoint_dir:
-        raise click.ClickException(f"{checkpoint_dir}: no such checkpoint directory")
+    _need_dir(checkpoint_dir)
     with _progress("export") as update:
         result = export_safetensors(
             checkpoint_dir,
@@ -593,8 +582,7 @@ def verify(checkpoint_dir, step, as_json) -> None:
     from jaxckpt.errors import NoCheckpointError
     from jaxckpt.integrity import verify as verify_dir
 
-    if "://" not in checkpoint_dir and not os.path.isdir(checkpoint_dir):
-        raise click.ClickException(f"{checkpoint_dir}: no such checkpoint directory")
+    _need_dir(checkpoint_dir)
     with _progress("verify step {key}") as update:
         reports = verify_dir(checkpoint_dir, step, progress=update)
     if not reports:

@@ -365,21 +365,22 @@ class CheckpointManager:
         agree on the verdict (a collective), then read, so no process reads a corrupt step
         that another refuses.
         """
-        if not self._verify:
-            return self._restore_step(step, self._read_info(step), state, rng, data, partial)
-        if jax.process_count() > 1:
+        if self._verify and jax.process_count() > 1:
             self._check(step, self._verify_share(step))
-            return self._restore_step(step, self._read_info(step), state, rng, data, partial)
-        with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-            report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
-            try:
-                info = self._read_info(step)
-                restored = self._restore_step(step, info, state, rng, None, partial)
-            except Exception:
-                self._check(step, report.result().problems)  # corruption explains it
-                raise
-            self._check(step, report.result().problems)
-        if data is not None:
+        if self._verify and jax.process_count() == 1:
+            with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
+                report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
+                try:
+                    info = self._read_info(step)
+                    restored = self._restore_step(step, info, state, rng, partial)
+                except Exception:
+                    self._check(step, report.result().problems)  # corruption explains it
+                    raise
+                self._check(step, report.result().problems)
+        else:
+            info = self._read_info(step)
+            restored = self._restore_step(step, info, state, rng, partial)
+        if data is not None:  # last: after everything else was read (and verified)
             _restore_data(data, step, info.get("data"), self._store)
             restored = dataclasses.replace(restored, data=data)
         return restored
@@ -411,7 +412,7 @@ class CheckpointManager:
                 str(self.directory),
             ) from None
 
-    def _restore_step(self, step, info, state, rng, data, partial) -> Restored:
+    def _restore_step(self, step, info, state, rng, partial) -> Restored:
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
@@ -423,10 +424,8 @@ class CheckpointManager:
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
-        if data is not None:
-            _restore_data(data, step, info.get("data"), self._store)
         return Restored(
-            step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=data
+            step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=None
         )
 
     def meta(self, step: int | None = None) -> Any:

@@ -85,30 +85,30 @@ def plan_reads(
         ids = sorted({d.id for r in requests.values() if r.sharding for d in r.sharding.device_set})
         rank = {device_id: i * processes // len(ids) for i, device_id in enumerate(ids)}
         process_of = lambda device: rank[device.id]  # noqa: E731
-    processes = range(processes or jax.process_count())
-    read = dict.fromkeys(processes, 0)
-    held = dict.fromkeys(processes, 0)
-    batch_peak = dict.fromkeys(processes, 0)
+    hosts = range(processes or jax.process_count())
+    read = dict.fromkeys(hosts, 0)
+    held = dict.fromkeys(hosts, 0)
+    batch_peak = dict.fromkeys(hosts, 0)
     total = 0
     for batch in read_batches(requests, inflight_bytes, process_of):
-        in_batch = dict.fromkeys(processes, 0)
+        in_batch = dict.fromkeys(hosts, 0)
         for name in batch:
             request = requests[name]
             total += math.prod(request.shape) * np.dtype(request.dtype).itemsize
             per_process = process_bytes(request, process_of)
             if request.sharding is None:  # on the host: every process reads it whole
-                per_process = dict.fromkeys(processes, per_process[0])
+                per_process = dict.fromkeys(hosts, per_process[0])
             for p, (nread, nheld) in per_process.items():
                 read[p] += nread
                 held[p] += nheld
                 in_batch[p] += nread
-        for p in processes:
+        for p in hosts:
             batch_peak[p] = max(batch_peak[p], in_batch[p])
     on_cpu = jax.devices()[0].platform == "cpu" if devices_on_host is None else devices_on_host
     plans = tuple(
         # A batch in flight is held twice: the decoded bytes and their device copy.
         ProcessPlan(p, read[p], held[p], 2 * batch_peak[p] + (held[p] if on_cpu else 0))
-        for p in processes
+        for p in hosts
     )
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
 

@@ -85,6 +85,18 @@ class LeafSpec:
         )
 
     @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape as stored: a PRNG key's data adds the impl's trailing dims, e.g. (2,)."""
+        if self.kind == KEY:
+            one = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=self.key_impl)))
+            return (*self.shape, *one.shape)
+        return tuple(self.shape)
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        return np.dtype(np.uint32) if self.kind == KEY else np.dtype(self.dtype)
+
+    @property
     def spec(self) -> jax.sharding.PartitionSpec | None:
         """The saved PartitionSpec, when the leaf was saved with a NamedSharding."""
         if not self.sharding or "spec" not in self.sharding:
@@ -265,7 +277,7 @@ def plan_restore(
                     f"target's sharding {sharding}: {e}. Choose a PartitionSpec whose mesh "
                     "axes divide the dimensions, or replicate that dimension (None)."
                 ) from None
-        requests[name] = ReadRequest(_stored_shape(spec), _stored_dtype(spec), sharding)
+        requests[name] = ReadRequest(spec.stored_shape, spec.stored_dtype, sharding)
     if mismatches:
         raise LeafMismatchError(
             f"the {item} target differs from the {item} saved at step {step}:\n"
@@ -294,7 +306,7 @@ def uniform_requests(
     saved: Sequence[LeafSpec], sharding: jax.sharding.Sharding | None
 ) -> dict[str, ReadRequest]:
     """Read requests that put every saved leaf on `sharding` (None: NumPy on the host)."""
-    return {s.name: ReadRequest(_stored_shape(s), _stored_dtype(s), sharding) for s in saved}
+    return {s.name: ReadRequest(s.stored_shape, s.stored_dtype, sharding) for s in saved}
 
 
 def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
@@ -384,17 +396,6 @@ def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
     if spec.kind == PYTHON:
         return np.asarray(value).item()
     return value
-
-
-def _stored_shape(spec: LeafSpec) -> tuple[int, ...]:
-    if spec.kind == KEY:  # key data adds the impl's trailing dimensions, e.g. (2,)
-        one = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=spec.key_impl)))
-        return (*spec.shape, *one.shape)
-    return spec.shape
-
-
-def _stored_dtype(spec: LeafSpec) -> np.dtype:
-    return np.dtype(np.uint32) if spec.kind == KEY else np.dtype(spec.dtype)
 
 
 def leaf_name(path: tuple) -> str:
