@@ -32,6 +32,7 @@ from etils import epath
 
 from jaxckpt.errors import NoCheckpointError, StepNotFoundError
 from jaxckpt.plan import read_batches
+from jaxckpt.storage import is_remote
 from jaxckpt.tree import ReadRequest
 
 log = logging.getLogger("jaxckpt")
@@ -40,7 +41,11 @@ STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
 REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
-DELETING_SUFFIX = ".jaxckpt-deleting"  # a step being deleted in the background
+# Retention deletes in the background. On local disk the step folder is first renamed to
+# `<step>.jaxckpt-deleting`; object storage has no rename (it copies every object), so a
+# `<step>.jaxckpt-tombstone` object hides the step until its objects are gone.
+DELETING_SUFFIX = ".jaxckpt-deleting"
+TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
 # OCDBT packs a process's writes into data files of about this size, written in parallel;
 # without a target it writes one file at a time (2-3x slower, BENCHMARKS.md).
 DATA_FILE_BYTES = 128 * 2**20
@@ -138,12 +143,17 @@ class OrbaxStore:
             # Deletions a previous run did not finish.
             for leftover in self.directory.glob(f"*{DELETING_SUFFIX}"):
                 self._deleter.submit(_remove, leftover)
+            for step in self._tombstoned():
+                self._deleter.submit(self._remove_tombstoned, step)
 
     def committed_steps(self) -> list[int]:
         """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
         self._mngr.reload()  # re-read the directory: another process may have written
+        hidden = self._tombstoned()
         return sorted(
-            s for s in self._mngr.all_steps() if (self.step_dir(s) / INFO / INFO_FILE).exists()
+            s
+            for s in self._mngr.all_steps()
+            if s not in hidden and (self.step_dir(s) / INFO / INFO_FILE).exists()
         )
 
     def resolve(self, step: int | None) -> int:
@@ -199,7 +209,12 @@ class OrbaxStore:
         """Every step-named directory, committed or not jaxckpt's (never temporary ones)."""
         if not self.directory.exists():
             return {}
-        return {int(p.name): p for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir()}
+        hidden = self._tombstoned()
+        return {
+            int(p.name): p
+            for p in self.directory.iterdir()
+            if p.name.isdigit() and int(p.name) not in hidden and p.is_dir()
+        }
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
@@ -234,12 +249,18 @@ class OrbaxStore:
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
-        background (off the save's blocking path): process 0 renames the step folder to
-        `<step>.jaxckpt-deleting` (which no listing reads) and a worker thread removes it."""
+        background (off the save's blocking path). On process 0: on local disk the step
+        folder is renamed to `<step>.jaxckpt-deleting` (which no listing reads); on object
+        storage one `<step>.jaxckpt-tombstone` object is written, which hides the step until
+        its objects and then the tombstone are deleted."""
         if jax.process_index() == 0:
-            doomed = self.directory / f"{step}{DELETING_SUFFIX}"
-            self.step_dir(step).rename(doomed)
-            self._deleter.submit(_remove, doomed)
+            if is_remote(self.directory):
+                (self.directory / f"{step}{TOMBSTONE_SUFFIX}").write_bytes(b"")
+                self._deleter.submit(self._remove_tombstoned, step)
+            else:
+                doomed = self.directory / f"{step}{DELETING_SUFFIX}"
+                self.step_dir(step).rename(doomed)
+                self._deleter.submit(_remove, doomed)
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes(f"jaxckpt:deleted:{step}")
         self._mngr.reload()
@@ -247,6 +268,21 @@ class OrbaxStore:
     def close(self) -> None:
         self._mngr.close()
         self._deleter.shutdown(wait=True)
+
+    def _tombstoned(self) -> set[int]:
+        """Steps hidden by a tombstone: being deleted from object storage."""
+        if not is_remote(self.directory):
+            return set()
+        names = (
+            p.name.removesuffix(TOMBSTONE_SUFFIX)
+            for p in self.directory.glob(f"*{TOMBSTONE_SUFFIX}")
+        )
+        return {int(n) for n in names if n.isdigit()}
+
+    def _remove_tombstoned(self, step: int) -> None:
+        """The step's objects, then its tombstone (kept, and retried later, on failure)."""
+        if _remove(self.step_dir(step)):
+            _remove(self.directory / f"{step}{TOMBSTONE_SUFFIX}")
 
 
 def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
@@ -274,11 +310,17 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     )
 
 
-def _remove(path: epath.Path) -> None:
+def _remove(path: epath.Path) -> bool:
+    """Deletes a folder or object; a failure is logged (the next writer retries it)."""
     try:
-        path.rmtree()
-    except Exception as e:  # a leftover is retried by the next manager
-        log.warning("could not delete %s (retried when a manager next opens it): %s", path, e)
+        if path.is_dir():
+            path.rmtree()
+        else:
+            path.unlink(missing_ok=True)
+        return True
+    except Exception as e:
+        log.warning("could not delete %s (retried when a writer next opens it): %s", path, e)
+        return False
 
 
 def _empty(request: ReadRequest) -> Any:

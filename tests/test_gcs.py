@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _orbax
 
 
 def test_save_and_resharded_restore_on_gcs(mesh, gcs_dir):
@@ -56,6 +58,53 @@ def test_retention_on_gcs_deletes_old_steps_in_the_background(gcs_dir):
     assert names == ["3"], names  # deleted steps are gone once the manager closed
     with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
         np.testing.assert_array_equal(m.restore().state["x"], state["x"])
+
+
+def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir, monkeypatch):
+    """Retention hides a step with a tombstone object and deletes it in the background: with
+    the deleting thread stalled (an object store slow to delete), saves still commit."""
+    stalled, release = threading.Event(), threading.Event()
+    remove = _orbax._remove
+
+    def slow_remove(path):
+        stalled.set()
+        assert release.wait(60), "the test never released the deleter"
+        return remove(path)
+
+    monkeypatch.setattr(_orbax, "_remove", slow_remove)
+    state = {"x": np.arange(1000, dtype=np.float32)}
+    root = epath.Path(gcs_dir)
+    with jaxckpt.CheckpointManager(gcs_dir, retention=jaxckpt.RetentionPolicy(keep_last=1)) as m:
+        m.save(1, state=state)
+        m.save(2, state=state)  # commits step 1, then step 2: retention deletes step 1
+        m.save(3, state=state)
+        m.wait()
+        assert stalled.is_set()
+        assert m.all_steps() == [3]
+        # Steps 1 and 2 are still there, hidden by their tombstones, from every reader.
+        names = sorted(p.name for p in root.iterdir())
+        assert names == ["1", "1.jaxckpt-tombstone", "2", "2.jaxckpt-tombstone", "3"], names
+        with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+            assert reader.all_steps() == [3]
+        assert [r.step for r in jaxckpt.verify(gcs_dir)] == [3]
+        release.set()
+    assert sorted(p.name for p in root.iterdir()) == ["3"]
+
+
+def test_a_delete_left_unfinished_on_gcs_is_finished_by_the_next_writer(gcs_dir):
+    state = {"x": np.arange(1000, dtype=np.float32)}
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        m.save(1, state=state)
+        m.save(2, state=state)
+    # What a writer killed right after retention's tombstone leaves behind.
+    root = epath.Path(gcs_dir)
+    (root / "1.jaxckpt-tombstone").write_bytes(b"")
+    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+        assert reader.all_steps() == [2]  # hidden at once; a reader deletes nothing
+    assert (root / "1" / "commit_success.txt").exists()
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        assert m.all_steps() == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["2"]
 
 
 FREEZER = """

@@ -1,0 +1,41 @@
+"""What differs between a local directory and object storage (`gs://bucket/prefix`).
+
+Object stores have no rename (a "rename" copies every object), no advisory locks, and an
+object appears whole or not at all. Modules that must act differently ask `is_remote`;
+`gcs_blob` gives the google-cloud-storage handle for the few operations epath lacks
+(conditional writes for the writer lease).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from jaxckpt.errors import ConfigError
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for object-storage URLs (`gs://...`), False for local paths."""
+    return "://" in str(path)
+
+
+def gcs_blob(path: str | os.PathLike) -> Any:
+    """The `google.cloud.storage.Blob` at `gs://bucket/name`."""
+    text = str(path)
+    if not text.startswith("gs://"):
+        raise ConfigError(f"{text} is not a gs:// path")
+    bucket, _, name = text.removeprefix("gs://").partition("/")
+    return _client().bucket(bucket).blob(name)
+
+
+@functools.cache
+def _client() -> Any:
+    try:
+        from google.cloud import storage
+    except ImportError as e:
+        raise ConfigError(
+            "gs:// directories need google-cloud-storage and gcsfs: pip install 'jaxckpt[gcs]'"
+        ) from e
+    # STORAGE_EMULATOR_HOST (an emulator) is honoured by the client itself.
+    return storage.Client()
