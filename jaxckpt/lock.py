@@ -1,10 +1,20 @@
-"""One writer per checkpoint directory: an advisory lock the kernel drops when its holder dies.
+"""One writer per checkpoint directory.
 
-The writer (process 0 of a job) holds `flock` on `<directory>/.jaxckpt-writer.lock`, whose
-text names the holder (host, pid, since). A second writer is refused with that name. A lock
-left by a dead process is free again (the kernel released it with the process); the next
-writer takes it over and logs whose it was. Readers (restore with `read_only=True`, verify,
-export, inspect) take no lock.
+Local disk: an advisory `flock` on `<directory>/.jaxckpt-writer.lock`, which the kernel drops
+when its holder dies. The file's text names the holder (host, pid, since); a second writer is
+refused with that name, and a lock left by a dead process is free again at once.
+
+Object storage (gs://) has no locks, so the writer holds a *lease*: the same object, created
+only if absent and rewritten only if unchanged since the holder's last write (GCS
+`ifGenerationMatch` preconditions, atomic on the server), renewed by a thread every quarter
+of its term. A second writer is refused while the lease is renewed. A lease left unrenewed
+for its whole term (its holder died or froze) is taken over by the next writer, judged by
+the server's clock, so host clocks do not matter. A writer that lost its lease (it froze
+for longer than the term and another took over) finds out before its next save starts and
+before any save of its commits, and raises `LockedError`; it never commits after that.
+
+Readers (restore with `read_only=True`, verify, export, inspect) take no lock. Only
+process 0 of a job holds it.
 """
 
 from __future__ import annotations
@@ -15,12 +25,28 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
-from jaxckpt.errors import LockedError
+from jaxckpt.errors import ConfigError, LockedError
+from jaxckpt.storage import gcs_blob, is_remote
 
 log = logging.getLogger("jaxckpt")
 LOCK_FILE = ".jaxckpt-writer.lock"
+
+
+def writer_lock(directory: str | os.PathLike, lease_s: float) -> WriterLock | ObjectLease | None:
+    """The lock for `directory`'s kind of storage; None (with a warning) where none exists."""
+    text = str(directory)
+    if not is_remote(text):
+        return WriterLock(directory)
+    if text.startswith("gs://"):
+        return ObjectLease(text, lease_s)
+    log.warning("no writer lock on %s: two jobs writing there are not stopped", text)
+    return None
 
 
 class WriterLock:
@@ -52,12 +78,182 @@ class WriterLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
 
+    def check(self, *, confirm: bool = False) -> None:
+        """A kernel lock is held until released: nothing to check."""
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # a clean release leaves no holder behind
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+class ObjectLease:
+    """The writer lock on object storage (see the module's docstring)."""
+
+    def __init__(self, directory: str, lease_s: float):
+        if not lease_s > 0:
+            raise ConfigError(f"writer_lease_s must be positive, got {lease_s!r}")
+        self.path = f"{directory.rstrip('/')}/{LOCK_FILE}"
+        self.lease_s = float(lease_s)
+        self._me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "lease_s": self.lease_s,
+            "id": uuid.uuid4().hex,
+        }
+        self._generation: int | None = None
+        self._renewed = 0.0  # time.monotonic() of the last write the server accepted
+        self._lost: str | None = None
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        for _ in range(3):  # a lease released or taken over meanwhile: look again
+            try:
+                self._write(if_generation_match=0)
+                break
+            except PreconditionFailed:
+                if self._take_over_if_expired():
+                    break
+        else:
+            raise LockedError(f"could not take the writer lease {self.path}: it keeps changing")
+        self._renewer = threading.Thread(target=self._renew, name="jaxckpt-lease", daemon=True)
+        self._renewer.start()
+
+    def check(self, *, confirm: bool = False) -> None:
+        """Raises `LockedError` if the lease was lost. `confirm`: ask the server even when
+        the last renewal is recent (before a commit); otherwise only once it is overdue."""
+        if self._lost is None and (confirm or time.monotonic() - self._renewed > self.lease_s):
+            self._confirm()
+        if self._lost is not None:
+            raise LockedError(
+                f"this job lost the writer lease on {self.path.rpartition('/')[0]} to "
+                f"{self._lost}: it was not renewed for {self.lease_s:g} s (was this process "
+                "stopped?). It writes nothing more there; stop one of the two jobs."
+            )
+
+    def release(self) -> None:
+        from google.api_core.exceptions import GoogleAPICallError
+
+        if self._renewer is None:
+            return
+        self._stop.set()
+        self._renewer.join()
+        self._renewer = None
+        if self._lost is None:
+            try:  # only our own lease: a newer generation is someone else's
+                gcs_blob(self.path).delete(if_generation_match=self._generation)
+            except GoogleAPICallError as e:
+                log.warning("could not release the writer lease %s: %s", self.path, e)
+
+    def _confirm(self) -> None:
+        """Asks the server whether the lease is still ours; records who has it if not."""
+        from google.api_core.exceptions import NotFound
+
+        with self._mutex:  # never between a renewal's write and its new generation
+            blob = gcs_blob(self.path)
+            current = blob.bucket.get_blob(blob.name)
+            if current is not None and current.generation == self._generation:
+                return
+            try:
+                self._lost = _describe(current.download_as_bytes()) if current else "nobody"
+            except NotFound:
+                self._lost = "nobody"
+
+    def _write(self, *, if_generation_match: int) -> None:
+        with self._mutex:
+            blob = gcs_blob(self.path)
+            blob.upload_from_string(
+                json.dumps(self._me), "application/json", if_generation_match=if_generation_match
+            )
+            self._generation = blob.generation
+            self._renewed = time.monotonic()
+
+    def _take_over_if_expired(self) -> bool:
+        """Takes the lease over once its holder lets it expire, waiting for that at most
+        the rest of its term. Raises LockedError if the holder renews it meanwhile (a live
+        writer); False if it was released or changed hands meanwhile (look again)."""
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        blob = gcs_blob(self.path)
+        current = blob.bucket.get_blob(blob.name)
+        if current is None:
+            return False
+        try:
+            raw = current.download_as_bytes(if_generation_match=current.generation)
+        except (NotFound, PreconditionFailed):
+            return False
+        holder = _parse(raw)
+        if holder.get("id") == self._me["id"]:  # our own create, retried by the client
+            self._generation, self._renewed = current.generation, time.monotonic()
+            return True
+        term = float(holder.get("lease_s", self.lease_s))
+        idle = (self._server_now() - current.updated).total_seconds()
+        if idle < term:
+            # A live holder renews every term/4; a dead one lets the lease run out.
+            log.info(
+                "waiting up to %.0f s for the writer lease of %s (not renewed for %.0f s)",
+                term - idle,
+                _describe(raw),
+                idle,
+            )
+            deadline = time.monotonic() + term - idle
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(left, term / 16, 1.0))
+                now = blob.bucket.get_blob(blob.name)
+                if now is None:
+                    return False
+                if now.generation != current.generation:
+                    raise LockedError(
+                        f"{self.path.rpartition('/')[0]} is being written by {_describe(raw)}, "
+                        "which holds its writer lease; one writer per directory. Stop that "
+                        "job first, or open this one with read_only=True to restore."
+                    )
+        try:
+            self._write(if_generation_match=current.generation)
+        except PreconditionFailed:
+            return False
+        log.warning(
+            "took over the writer lease of %s, which was not renewed for %.0f s",
+            _describe(raw),
+            max(idle, term),
+        )
+        return True
+
+    def _server_now(self) -> datetime.datetime:
+        """The storage server's clock: the creation time of a probe object."""
+        probe = gcs_blob(f"{self.path}.probe-{self._me['id']}")
+        probe.upload_from_string(b"")
+        try:
+            return probe.time_created
+        finally:
+            probe.delete()
+
+    def _renew(self) -> None:
+        from google.api_core.exceptions import GoogleAPICallError, PreconditionFailed
+
+        while not self._stop.wait(self.lease_s / 4):
+            try:
+                self._write(if_generation_match=self._generation)
+            except PreconditionFailed:
+                self._confirm()  # records who has it now
+                return
+            except GoogleAPICallError as e:  # transient: the next renewal tries again
+                log.warning("could not renew the writer lease %s: %s", self.path, e)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        who = json.loads(raw)
+        return who if isinstance(who, dict) else {}
+    except ValueError:
+        return {}
 
 
 def _describe(raw: bytes) -> str:

@@ -40,7 +40,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
     TreeMismatchError,
 )
-from jaxckpt.lock import WriterLock
+from jaxckpt.lock import writer_lock
 from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
@@ -91,6 +91,9 @@ class CheckpointManager:
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
+      writer_lease_s: on object storage (gs://), the term of the writer's lease, which
+        stands in for a lock (see README, "Object storage"): a writer that stops renewing
+        it for this long (dead or frozen) loses the directory to the next writer.
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
@@ -109,6 +112,7 @@ class CheckpointManager:
         compression: str | None = None,
         verify_on_restore: bool = True,
         read_only: bool = False,
+        writer_lease_s: float = 60.0,
     ):
         if not isinstance(policy, SavePolicy):
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
@@ -127,10 +131,11 @@ class CheckpointManager:
         self._read_only = read_only
         self._verify = verify_on_restore
         self._lock = None
-        if not read_only and jax.process_index() == 0 and "://" not in str(directory):
+        if not read_only and jax.process_index() == 0:
             # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
-            self._lock = WriterLock(directory)
-            self._lock.acquire()
+            self._lock = writer_lock(directory, writer_lease_s)
+            if self._lock is not None:
+                self._lock.acquire()
         try:
             self._store = _orbax.OrbaxStore(
                 directory,
@@ -138,7 +143,7 @@ class CheckpointManager:
                 restore_inflight_bytes=restore_inflight_bytes,
                 compression=compression,
                 read_only=read_only,
-                before_commit=None if read_only else integrity.write_manifest,
+                before_commit=None if read_only else self._before_commit,
             )
         except BaseException:
             if self._lock is not None:
@@ -217,6 +222,8 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise ConfigError("this CheckpointManager was opened with read_only=True")
+        if self._lock is not None:
+            self._lock.check()
         step = _check_step(step)
         if meta is not None:
             check_json(meta)
@@ -477,6 +484,11 @@ class CheckpointManager:
         for old in self._retention.steps_to_delete(self._store.committed_steps()):
             log.info("retention: deleting step %d from %s", old, self.directory)
             self._store.delete(old)
+
+    def _before_commit(self, step_dir: epath.Path) -> None:
+        if self._lock is not None:
+            self._lock.check(confirm=True)  # a writer that lost its lease never commits
+        integrity.write_manifest(step_dir)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,6 +14,17 @@ from typing import Any
 
 from jaxckpt.errors import ConfigError
 
+try:
+    import fsspec
+
+    # gcsfs (epath's backend for gs://) caches directory listings for ever and updates them
+    # only for its own writes, so steps committed by other processes, tensorstore writes
+    # and deletes through other clients went unseen by `iterdir` and `exists`. jaxckpt
+    # needs the bucket's current state (an explicit user setting is kept).
+    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
+except ImportError:  # no gs:// support installed
+    pass
+
 
 def is_remote(path: str | os.PathLike) -> bool:
     """True for object-storage URLs (`gs://...`), False for local paths."""

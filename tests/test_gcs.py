@@ -6,6 +6,8 @@ Orbax's own GCS commit (a commit marker, no rename), and jaxckpt's manifest veri
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _orbax
+from jaxckpt.lock import ObjectLease
 
 
 def test_save_and_resharded_restore_on_gcs(mesh, gcs_dir):
@@ -74,7 +77,8 @@ def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir, monkeypatch):
     monkeypatch.setattr(_orbax, "_remove", slow_remove)
     state = {"x": np.arange(1000, dtype=np.float32)}
     root = epath.Path(gcs_dir)
-    with jaxckpt.CheckpointManager(gcs_dir, retention=jaxckpt.RetentionPolicy(keep_last=1)) as m:
+    m = jaxckpt.CheckpointManager(gcs_dir, retention=jaxckpt.RetentionPolicy(keep_last=1))
+    try:
         m.save(1, state=state)
         m.save(2, state=state)  # commits step 1, then step 2: retention deletes step 1
         m.save(3, state=state)
@@ -83,11 +87,16 @@ def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir, monkeypatch):
         assert m.all_steps() == [3]
         # Steps 1 and 2 are still there, hidden by their tombstones, from every reader.
         names = sorted(p.name for p in root.iterdir())
-        assert names == ["1", "1.jaxckpt-tombstone", "2", "2.jaxckpt-tombstone", "3"], names
+        assert names == [
+            ".jaxckpt-writer.lock",
+            *("1", "1.jaxckpt-tombstone", "2", "2.jaxckpt-tombstone", "3"),
+        ], names
         with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
             assert reader.all_steps() == [3]
         assert [r.step for r in jaxckpt.verify(gcs_dir)] == [3]
+    finally:
         release.set()
+        m.close()
     assert sorted(p.name for p in root.iterdir()) == ["3"]
 
 
@@ -116,7 +125,7 @@ import jaxckpt
 
 from etils import epath
 
-m = jaxckpt.CheckpointManager(sys.argv[1])
+m = jaxckpt.CheckpointManager(sys.argv[1], writer_lease_s=2)
 m.save(1, state={"x": jnp.arange(1 << 20, dtype=jnp.float32) + 1})
 m.wait()
 m.save(2, state={"x": jnp.arange(1 << 24, dtype=jnp.float32) + 2})  # 64 MiB: takes a while
@@ -126,7 +135,7 @@ os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-save: the parent kills us now
 """
 
 
-def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir):
+def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog):
     proc = subprocess.Popen([sys.executable, "-c", FREEZER, gcs_dir], stderr=subprocess.DEVNULL)
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
@@ -137,7 +146,11 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir):
     # No rename on GCS: the unfinished step sits at its final path without a commit marker.
     assert (epath.Path(gcs_dir) / "2").exists()
     assert not (epath.Path(gcs_dir) / "2" / "commit_success.txt").exists()
+    # The dead writer's lease (2 s) runs out, and the next writer takes it over.
     with jaxckpt.CheckpointManager(gcs_dir) as m:
+        assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (
+            caplog.text
+        )
         assert m.all_steps() == [1]
         np.testing.assert_array_equal(m.restore().state["x"], np.arange(1 << 20) + 1)
         m.save(2, state={"x": np.zeros(4, np.float32)})  # the step number is free again
@@ -212,3 +225,99 @@ def test_export_from_gcs_to_gcs_in_shards_and_back(gcs_dir, mesh):
     loaded = jaxckpt.load_safetensors(out, target)
     for name, value in weights.items():
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
+
+
+def test_a_second_writer_on_gcs_is_refused_while_the_first_renews_its_lease(gcs_dir):
+    state = {"x": np.arange(100, dtype=np.float32)}
+    first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=2)
+    try:
+        first.save(1, state=state)
+        with pytest.raises(jaxckpt.errors.LockedError, match=f"pid {os.getpid()}"):
+            jaxckpt.CheckpointManager(gcs_dir)
+        with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+            assert reader.all_steps() == [1]  # readers take no lease
+        first.save(2, state=state)  # the refused writer changed nothing
+        first.wait()
+    finally:
+        first.close()
+    assert not (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()  # released on close
+    with jaxckpt.CheckpointManager(gcs_dir) as m:  # at once: no waiting for a term
+        m.save(3, state=state)
+        m.wait()
+        assert m.all_steps() == [1, 2, 3]
+
+
+def test_writers_racing_for_a_gcs_lease_get_exactly_one(gcs_dir):
+    """The server's precondition (create only if absent) decides: one of 8 simultaneous
+    writers wins; the others see it renew and are refused."""
+    start = threading.Barrier(8)
+    outcomes = [None] * 8
+    leases = [ObjectLease(gcs_dir, 1.0) for _ in range(8)]
+
+    def contend(i):
+        start.wait(timeout=30)
+        try:
+            leases[i].acquire()
+            outcomes[i] = "won"
+        except jaxckpt.errors.LockedError:
+            outcomes[i] = "refused"
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert sorted(outcomes) == ["refused"] * 7 + ["won"], outcomes
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+HOLDER = """
+import sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+import numpy as np
+import jaxckpt
+
+m = jaxckpt.CheckpointManager(sys.argv[1], writer_lease_s=2)
+m.save(1, state={"x": np.ones(100, np.float32)})
+m.wait()
+print("holding", flush=True)
+sys.stdin.readline()  # the parent freezes us (SIGSTOP) here, then lets us go on
+try:
+    m.save(2, state={"x": np.ones(100, np.float32)})
+    m.wait()
+    print("saved", flush=True)
+except jaxckpt.errors.LockedError as e:
+    print("refused:", e, flush=True)
+m.close()
+"""
+
+
+def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, gcs_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
+        with jaxckpt.CheckpointManager(gcs_dir) as m:  # waits for the term, then takes over
+            m.save(3, state={"x": np.zeros(100, np.float32)})
+            m.wait()
+            holder.send_signal(signal.SIGCONT)
+            out, _ = holder.communicate("go\n", timeout=120)
+            assert out.startswith("refused: this job lost the writer lease"), out
+            assert f"pid {os.getpid()}" in out  # names the writer that has it now
+            assert m.all_steps() == [1, 3]  # the frozen writer's step 2 never appeared
+            # Its close left the new holder's lease alone.
+            assert (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()
+            m.save(4, state={"x": np.zeros(100, np.float32)})
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
