@@ -222,8 +222,9 @@ class _LeafReader:
         self._reads.clear()
 
 
-def _plan_tensors(targets, by_name, cast, reader: _LeafReader, progress=None) -> list[Planned]:
-    """(name, dtype, shape, producer) for every output tensor, in leaf order."""
+def _plan_tensors(targets, by_name, cast, reader, progress=None) -> list[Planned]:
+    """(name, dtype, shape, producer) for every output tensor, in leaf order; `reader.get`
+    gives a leaf on the host (`_LeafReader` or `_LiveLeaves`)."""
     planned: list[Planned] = []
     done = [0]
     for target in targets:
@@ -372,9 +373,17 @@ def save_safetensors(
     process writes the bytes of its own shards at their offsets (one replica per shard, no
     all-gather), and process 0 writes the index last and renames the directory into place.
     `out_dir` must be on storage every process sees. Arguments as for `export_safetensors`.
+
+    On object storage (gs://), which has no writes at an offset, the files are streamed one
+    tensor at a time (one leaf on the host at once), by a single-process job; a multi-process
+    job saves a checkpoint and exports it with `export_safetensors` instead.
     """
     from jax.experimental import multihost_utils
 
+    if _remote(out_dir):
+        return _save_safetensors_remote(
+            state, out_dir, names, dtype, max_shard_size, metadata, overwrite, skip_unsupported
+        )
     out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
     primary = jax.process_index() == 0
     leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
@@ -446,6 +455,52 @@ def save_safetensors(
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
     total = sum(st.nbytes(t[1], t[2]) for t in planned)
     return ExportResult(out_dir, None, tuple(files), len(planned), total, tuple(skipped))
+
+
+def _save_safetensors_remote(
+    state, out_dir, names, dtype, max_shard_size, metadata, overwrite, skip_unsupported
+) -> ExportResult:
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"save_safetensors to object storage ({out_dir}) runs in a single-process job: "
+            "object storage cannot take each process's bytes at their offsets. Save a "
+            "checkpoint and export it with jaxckpt.export_safetensors (or `jaxckpt export`)."
+        )
+    cast = _check_output(out_dir, overwrite, dtype)
+    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
+    targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
+    targets, skipped = _without_keys(
+        targets, [t.leaf for t in targets if _is_key(leaves[t.leaf])], skip_unsupported
+    )
+    shapes = {
+        t.leaf: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype)
+        for t in targets
+        for x in [leaves[t.leaf]]
+    }
+    planned = _plan_tensors(targets, shapes, cast, _LiveLeaves(leaves))
+    files = _pack(planned, parse_size(max_shard_size))
+    _write_remote(
+        epath.Path(out_dir), files, {"format": "pt", **(metadata or {})}, overwrite, lambda: None
+    )
+    total = sum(st.nbytes(t[1], t[2]) for t in planned)
+    return ExportResult(
+        epath.Path(out_dir), None, tuple(files), len(planned), total, tuple(skipped)
+    )
+
+
+class _LiveLeaves:
+    """Live leaves to the host in the order an export asks for them, one at a time (a leaf
+    split into several tensors is copied once)."""
+
+    def __init__(self, leaves: Mapping[str, Any]):
+        self._leaves = leaves
+        self._last: tuple[str | None, Any] = (None, None)
+
+    def get(self, name: str) -> np.ndarray:
+        if self._last[0] != name:
+            self._last = (None, None)  # the previous leaf's copy goes first
+            self._last = (name, np.asarray(self._leaves[name]))
+        return self._last[1]
 
 
 def _is_key(leaf: Any) -> bool:

@@ -227,6 +227,41 @@ def test_export_from_gcs_to_gcs_in_shards_and_back(gcs_dir, mesh):
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
+def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
+    """A sharded live state streamed to a bucket, then read back by the safetensors library
+    itself (from a download) and by load_safetensors onto another sharding."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    host = {
+        "embed": rng.standard_normal((64, 32), np.float32),
+        "blocks": {"qkv": rng.standard_normal((3, 32, 32), np.float32)},
+        "scale": np.float32(2.5),
+    }
+    state = {
+        "embed": jax.device_put(host["embed"], NamedSharding(mesh, P("data", "model"))),
+        "blocks": {"qkv": jax.device_put(host["blocks"]["qkv"], NamedSharding(mesh, P()))},
+        "scale": host["scale"],
+    }
+    out = f"{gcs_dir}/hf"
+    result = jaxckpt.save_safetensors(state, out, max_shard_size="8KB")
+    assert len(result.files) == 3  # 8 KiB, 12 KiB, 4 bytes
+    assert (epath.Path(out) / "model.safetensors.index.json").exists()
+    with pytest.raises(jaxckpt.errors.OutputExistsError):
+        jaxckpt.save_safetensors(state, out)
+    got = {}
+    for name in result.files:
+        local = tmp_path / name
+        local.write_bytes((epath.Path(out) / name).read_bytes())
+        got.update(load_file(local))
+    np.testing.assert_array_equal(got["embed"], host["embed"])
+    np.testing.assert_array_equal(got["blocks.qkv"], host["blocks"]["qkv"])
+    assert got["scale"].shape == () and got["scale"] == host["scale"]
+    target = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("model")))
+    loaded = jaxckpt.load_safetensors(out, {"embed": target}, ignore="blocks.*|scale")
+    np.testing.assert_array_equal(np.asarray(loaded["embed"]), host["embed"])
+
+
 def test_a_second_writer_on_gcs_is_refused_while_the_first_renews_its_lease(gcs_dir):
     state = {"x": np.arange(100, dtype=np.float32)}
     first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=2)
