@@ -206,15 +206,27 @@ class OrbaxStore:
         return self.directory / str(step)
 
     def step_dirs(self) -> dict[int, epath.Path]:
-        """Every step-named directory, committed or not jaxckpt's (never temporary ones)."""
+        """Every step-named directory, committed or not jaxckpt's; never a save still in
+        progress or cut off (on object storage such a save sits at its step's path)."""
         if not self.directory.exists():
             return {}
         hidden = self._tombstoned()
+        if is_remote(self.directory):
+            hidden |= set(self.uncommitted_steps())
         return {
             int(p.name): p
             for p in self.directory.iterdir()
             if p.name.isdigit() and int(p.name) not in hidden and p.is_dir()
         }
+
+    def uncommitted_steps(self) -> list[int]:
+        """Steps whose save is in progress or never finished: Orbax's temporary folders
+        (`<step>.orbax-checkpoint-tmp` on local disk; on object storage, step folders
+        without Orbax's commit marker)."""
+        if not self.directory.exists():
+            return []
+        names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
+        return sorted(int(n) for n in names if n.isdigit())
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""

@@ -229,10 +229,10 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                     )
                 elif problem := integrity.damage(path):
                     rows.append({"step": step, "status": f"damaged: {problem}", "latest": False})
-        for path in sorted(store.directory.glob(f"*{_orbax.TMP_SUFFIX}")):
+        for step in store.uncommitted_steps():
             rows.append(
                 {
-                    "step": int(path.name.split(".")[0]),
+                    "step": step,
                     "status": "uncommitted (a save in progress or one that never finished)",
                     "latest": False,
                 }

@@ -1,6 +1,6 @@
 """Crash and corruption stress: kill writers at random moments, damage steps, check recovery.
 
-    python -m reliability.stress [--trials 30] [--multihost-trials 6] [--seed 0]
+    python -m reliability.stress [--trials 30] [--multihost-trials 6] [--gcs-trials 10] [--seed 0]
 
 Writes RELIABILITY.md (the table below is regenerated from the run). Every trial is seeded:
 the same seed gives the same kill moments. After every kill a *new* process-independent
@@ -9,12 +9,16 @@ check runs:
 * every visible step verifies against its manifest and restores with exactly the bytes that
   were saved for it (values are a function of the step), meta included;
 * `latest_step()` is restorable, or nothing was committed yet;
-* a new writer starts, saves the next step, and no `*.orbax-checkpoint-tmp` leftover remains.
+* a new writer starts, saves the next step, and no unfinished save is left: no
+  `*.orbax-checkpoint-tmp` folder, and on gs:// (a GCS emulator on 127.0.0.1, where Orbax
+  commits with a marker instead of a rename) no step folder without `commit_success.txt`.
+  On gs:// the new writer first waits out the killed writer's lease (2 s here).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import socket
@@ -23,10 +27,12 @@ import sys
 import tempfile
 import textwrap
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 REPO = Path(__file__).resolve().parent.parent
 N = 2 * 1024 * 1024  # 8 MiB of float32 per step: a save takes a noticeable while
@@ -48,7 +54,7 @@ WRITER = textwrap.dedent(
 
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("x"))
-    m = jaxckpt.CheckpointManager(directory, timeout_s=10)
+    m = jaxckpt.CheckpointManager(directory, timeout_s=10, writer_lease_s=2)
     start = (m.latest_step() or 0) + 1
     for step in range(start, start + 10_000):
         x = jax.make_array_from_callback((n,), sharding, lambda i: (np.arange(n, dtype=np.float32) + step)[i])
@@ -76,7 +82,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_writers(directory: Path, processes: int) -> list[subprocess.Popen]:
+def start_writers(directory: str, processes: int) -> list[subprocess.Popen]:
     port, devices = free_port(), 8 // processes
     return [
         subprocess.Popen(
@@ -100,12 +106,25 @@ def start_writers(directory: Path, processes: int) -> list[subprocess.Popen]:
     ]
 
 
-def check(directory: Path) -> tuple[list[int], bool]:
+def unfinished(directory: epath.Path) -> list[str]:
+    """Saves that never committed: Orbax's temporary folders (local disk) or, on object
+    storage, step folders without Orbax's commit marker."""
+    names = [p.name for p in directory.iterdir()]
+    tmp = [n for n in names if "orbax-checkpoint-tmp" in n]
+    if "://" in str(directory):
+        tmp += [
+            n for n in names if n.isdigit() and not (directory / n / "commit_success.txt").exists()
+        ]
+    return tmp
+
+
+def check(directory: str | Path) -> tuple[list[int], bool]:
     """The recovery checks; raises AssertionError. Returns the visible steps and whether an
     unfinished save was left behind."""
     import jaxckpt
 
-    leftover = any(p.name.endswith(".orbax-checkpoint-tmp") for p in directory.iterdir())
+    directory = epath.Path(directory)
+    leftover = bool(unfinished(directory))
     reports = jaxckpt.verify(directory)
     assert all(r.ok for r in reports), [r for r in reports if not r.ok]
     with jaxckpt.CheckpointManager(directory, timeout_s=60) as m:
@@ -118,15 +137,16 @@ def check(directory: Path) -> tuple[list[int], bool]:
         m.save(new, state={"x": expected(new)}, meta={"step": new})
         m.wait()
         assert m.all_steps() == [*steps, new]
-    tmp = [p.name for p in directory.iterdir() if "orbax-checkpoint-tmp" in p.name]
+    tmp = unfinished(directory)
     assert not tmp, f"leftovers not cleaned: {tmp}"
     return steps, leftover
 
 
-def kill_trial(seed: int, processes: int, tally: Tally) -> None:
+def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = None) -> None:
+    """One seeded kill, in a fresh local directory or under `bucket` (gs://...)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="jaxckpt-stress-") as tmp:
-        directory = Path(tmp)
+        directory = f"{bucket}/stress-{seed}-{uuid.uuid4().hex[:8]}" if bucket else tmp
         procs = start_writers(directory, processes)
         victim = rng.randrange(processes)
         try:
@@ -195,11 +215,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--multihost-trials", type=int, default=6)
+    parser.add_argument("--gcs-trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "RELIABILITY.md")
     args = parser.parse_args()
 
-    single, multi = Tally(), Tally()
+    single, multi, on_gcs = Tally(), Tally(), Tally()
     for i in range(args.trials):
         kill_trial(args.seed + i, 1, single)
         print(
@@ -212,9 +233,27 @@ def main() -> int:
             f"2-process kill {i + 1}/{args.multihost_trials}: {len(multi.failures)} failures",
             flush=True,
         )
+    if args.gcs_trials:
+        from reliability import gcs
+
+        os.environ.update(gcs.LOOPBACK_ENV)
+        with tempfile.TemporaryDirectory(prefix="jaxckpt-gcs-") as log_dir:
+            server, url = gcs.start(Path(log_dir) / "server.log")
+            os.environ.update(gcs.point_at(url))
+            try:
+                for i in range(args.gcs_trials):
+                    kill_trial(args.seed + 2000 + i, 1, on_gcs, bucket=f"gs://{gcs.BUCKET}")
+                    print(
+                        f"gs:// kill {i + 1}/{args.gcs_trials}: {len(on_gcs.failures)} failures",
+                        flush=True,
+                    )
+            finally:
+                gcs.stop(server)
     corruptions = corruption_trials()
 
     def kills(t: Tally) -> str:
+        if not t.trials:
+            return "not run"
         if t.failures:
             return f"FAILED {len(t.failures)}: " + "; ".join(t.failures[:3])
         return (
@@ -225,10 +264,17 @@ def main() -> int:
     rows = [
         ("SIGKILL of a writer saving in a loop, random moment", single.trials, kills(single)),
         ("SIGKILL of 1 of 2 multi-host writers, random moment", multi.trials, kills(multi)),
+        (
+            "SIGKILL of a writer saving to gs:// (GCS emulator), random moment",
+            on_gcs.trials,
+            kills(on_gcs),
+        ),
         *((f"corruption: {name}", 1, result) for name, result in corruptions.items()),
     ]
     text = (
-        RELIABILITY_HEAD.format(trials=args.trials, multi=args.multihost_trials, seed=args.seed)
+        RELIABILITY_HEAD.format(
+            trials=args.trials, multi=args.multihost_trials, gcs=args.gcs_trials, seed=args.seed
+        )
         + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
         + "\n"
         + RELIABILITY_TAIL
@@ -237,21 +283,25 @@ def main() -> int:
     print(text)
     return (
         1
-        if single.failures or multi.failures or any("FAILED" in r for r in corruptions.values())
+        if single.failures
+        or multi.failures
+        or on_gcs.failures
+        or any("FAILED" in r for r in corruptions.values())
         else 0
     )
 
 
 RELIABILITY_HEAD = """# Reliability report
 
-Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --seed {seed}`
+Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --seed {seed}`
 (seeded: the same seed gives the same kill moments). The same faults run in the test suite in
 smaller numbers (`tests/test_atomicity.py`, `tests/test_integrity.py`, `tests/test_async.py`,
-`tests/test_multihost.py`).
+`tests/test_multihost.py`, `tests/test_gcs.py`).
 
 After every kill, a new process checks: every visible step verifies against its manifest and
 restores with exactly the bytes saved for it; `latest_step()` restores; a new writer saves the
-next step and no unfinished-save leftover remains.
+next step and no unfinished-save leftover remains. On gs:// the new writer first waits out
+the killed writer's lease (2 s in these trials) and takes it over.
 
 | fault | trials | result |
 | --- | --- | --- |
@@ -266,6 +316,8 @@ Also covered by tests (one run each, every `make test`):
 | a process dies mid-save (2 processes) | the survivor's `SaveError.missing_processes == [1]` within the barrier timeout; the step never commits |
 | a second writer on the same directory | `LockedError` naming host and pid; readers (`read_only=True`) unaffected |
 | a writer dies holding the lock | the next writer takes it over and logs whose it was |
+| gs://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |
+| gs://: retention's deletes stalled | saves commit; the deleted steps are hidden by tombstones from every reader until their objects are gone |
 | a process SIGSTOPped the instant `save` returned, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-import gcs
+from reliability import gcs
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

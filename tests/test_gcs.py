@@ -15,13 +15,15 @@ import threading
 import jax
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _orbax
+from jaxckpt import _orbax, cli
 from jaxckpt.lock import ObjectLease
+from reliability.stress import Tally, kill_trial
 
 
 def test_save_and_resharded_restore_on_gcs(mesh, gcs_dir):
@@ -146,6 +148,13 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog)
     # No rename on GCS: the unfinished step sits at its final path without a commit marker.
     assert (epath.Path(gcs_dir) / "2").exists()
     assert not (epath.Path(gcs_dir) / "2" / "commit_success.txt").exists()
+    # Readers see it as a save that never finished, not as damage.
+    assert [(r.step, r.ok) for r in jaxckpt.verify(gcs_dir)] == [(1, True)]
+    listing = json.loads(CliRunner().invoke(cli.main, ["ls", gcs_dir, "--json"]).output)
+    assert [(s["step"], s["status"].split()[0]) for s in listing["steps"]] == [
+        (1, "committed"),
+        (2, "uncommitted"),
+    ]
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.
     with jaxckpt.CheckpointManager(gcs_dir) as m:
         assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (
@@ -156,6 +165,13 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog)
         m.save(2, state={"x": np.zeros(4, np.float32)})  # the step number is free again
         m.wait()
         assert m.all_steps() == [1, 2]
+
+
+def test_kill_at_a_random_moment_of_a_save_loop_on_gcs(gcs_bucket):
+    # The stress script's gs:// trial (python -m reliability.stress runs 10 of them).
+    tally = Tally()
+    kill_trial(2000, 1, tally, bucket=gcs_bucket)
+    assert tally.trials == 1 and tally.failures == []
 
 
 def test_export_from_gcs_to_local_safetensors(gcs_dir, tmp_path):
@@ -172,10 +188,7 @@ def test_export_from_gcs_to_local_safetensors(gcs_dir, tmp_path):
 
 
 def test_cli_reads_a_gcs_checkpoint(gcs_dir):
-    from click.testing import CliRunner
-
-    from jaxckpt.cli import main
-
+    main = cli.main
     with jaxckpt.CheckpointManager(gcs_dir) as m:
         m.save(5, state={"w": np.ones((4, 4), np.float32)})
     runner = CliRunner()
