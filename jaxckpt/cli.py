@@ -28,6 +28,7 @@ from typing import Any
 import click
 
 from jaxckpt.errors import JaxckptError
+from jaxckpt.storage import is_remote
 
 
 class _Group(click.Group):
@@ -92,7 +93,7 @@ def _store(directory: str):
 
 def _need_dir(directory: str) -> None:
     """A clear error for a local checkpoint directory that is not there."""
-    if "://" not in directory and not os.path.isdir(directory):
+    if not is_remote(directory) and not os.path.isdir(directory):
         raise click.ClickException(f"{directory}: no such checkpoint directory")
 
 

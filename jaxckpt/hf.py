@@ -48,6 +48,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.names import NameMap, Target
 from jaxckpt.plan import read_batches
+from jaxckpt.storage import is_remote
 from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
 
 log = logging.getLogger("jaxckpt")
@@ -284,7 +285,7 @@ def _write(
     overwrite: bool,
     before_publish: Callable[[], None] = lambda: None,
 ) -> None:
-    if _remote(out_dir):
+    if is_remote(out_dir):
         _write_remote(epath.Path(out_dir), files, metadata, overwrite, before_publish)
         return
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -344,12 +345,8 @@ def _publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrit
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _remote(path) -> bool:
-    return "://" in str(path)
-
-
 def _out_path(out_dir: str | os.PathLike):
-    return epath.Path(out_dir) if _remote(out_dir) else Path(out_dir)
+    return epath.Path(out_dir) if is_remote(out_dir) else Path(out_dir)
 
 
 # ------------------------------------------------------------------------- live (in-job) export
@@ -380,7 +377,7 @@ def save_safetensors(
     """
     from jax.experimental import multihost_utils
 
-    if _remote(out_dir):
+    if is_remote(out_dir):
         return _save_safetensors_remote(
             state, out_dir, names, dtype, max_shard_size, metadata, overwrite, skip_unsupported
         )

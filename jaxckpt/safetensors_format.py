@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt.errors import FormatError, UnsupportedValueError
+from jaxckpt.storage import is_remote
 
 MAX_HEADER = 100 * 1000 * 1000  # the limit safetensors itself enforces
 
@@ -124,7 +125,7 @@ def write_file(
                 array = array.astype(array.dtype.newbyteorder("<"))
             f.write(array.reshape(-1).view(np.uint8).data)
         f.flush()
-        if "://" not in str(path):  # on object storage the object exists once uploaded
+        if not is_remote(path):  # on object storage the object exists once uploaded
             os.fsync(f.fileno())
 
 
@@ -277,7 +278,7 @@ def _offsets(path: Path, item: tuple[str, object]) -> tuple[int, int]:
 def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
     """Reads `info[index]`: locally through a memory map (only the pages holding the slice),
     on object storage (`gs://`) as one ranged read of the rows the slice spans."""
-    if "://" not in str(path):
+    if not is_remote(path):
         whole = np.memmap(path, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
         return np.array(whole[index])
     shape, itemsize = info.shape, np.dtype(info.dtype).itemsize
