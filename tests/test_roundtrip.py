@@ -286,6 +286,18 @@ def test_zero_size_leaves_roundtrip(mesh, ckpt_dir):
     assert host["host"].shape == (0, 3) and host["dev"].dtype == jnp.bfloat16
 
 
+def test_a_step_without_any_array_data_roundtrips(ckpt_dir):
+    # Nothing for Orbax to write but the metadata: no leaves, or only zero-size ones.
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state={}, meta={"empty": True})
+        m.save(2, state={"z": np.zeros((0, 3), np.float32)})
+        m.wait()
+        assert m.all_steps() == [1, 2]
+        assert m.restore(1).meta == {"empty": True}
+        assert m.restore(2).state["z"].shape == (0, 3)
+    assert all(r.ok for r in jaxckpt.verify(ckpt_dir))
+
+
 def test_save_copies_numpy_leaves(mesh, ckpt_dir):
     host = np.arange(8, dtype=np.float32)
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
