@@ -1,12 +1,13 @@
 """jaxckpt vs plain Orbax vs raw disk vs safetensors, side by side; writes BENCHMARKS.md.
 
-    python benchmarks/compare.py [--quick] [--runs 5] [--out BENCHMARKS.md]
+    python benchmarks/compare.py [--quick] [--runs 7] [--out BENCHMARKS.md]
     python benchmarks/compare.py --gpu --out benchmarks/results/gpu.md   (an ~8 GiB state)
 
 Each state runs in a fresh process (`benchmarks/worker.py`) on 8 CPU devices, (4, 2) mesh
 (with --gpu: the accelerators of the host). In that process every contender saves and
 restores the same state, alternating: one warm-up round (reported as the first save), then
-`--runs` timed rounds; medians and min-max are reported, and every ratio comes from one run.
+`--runs` timed rounds, each operation after an `os.sync()` (no one else's writes still being
+flushed); medians and min-max are reported, and every ratio comes from one run.
 
 Contenders:
 * jaxckpt: `CheckpointManager.save` (returns after the device-to-host copy), `wait`, `restore`
@@ -263,13 +264,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 64 MiB state, 3 runs (~1 min)")
     parser.add_argument("--gpu", action="store_true", help="the ~8 GiB state on accelerators")
-    parser.add_argument("--runs", type=int, default=None, help="timed rounds (default 5)")
+    parser.add_argument("--runs", type=int, default=None, help="timed rounds (default 7)")
     parser.add_argument(
         "--gpu-leaf-side", type=int, default=6656, help="with --gpu: leaves are N x N float32"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
-    runs = args.runs or (3 if args.quick else 5)
+    # 7 rounds: save blocking on the 1 GiB state is bimodal (~15 or ~30-60 ms, for Orbax
+    # too), and 5 rounds put its median on either side.
+    runs = args.runs or (3 if args.quick else 7)
     if args.gpu:
         n = args.gpu_leaf_side
         states = {

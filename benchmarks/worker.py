@@ -246,6 +246,7 @@ for round_ in range(SPEC["runs"] + 1):  # round 0 warms up (and is the first sav
     for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
         c = contenders[name]
         step += 1
+        os.sync()  # each save starts with no one else's writes still being flushed
         with PeakRSS() as rss:
             t0 = time.perf_counter()
             c.save(step)
@@ -354,6 +355,7 @@ if SPEC["export"]:
     export = {k: {"time": [], "rss": []} for k in ops}
     for round_ in range(SPEC["runs"] + 1):
         for name, op in ops.items():
+            os.sync()
             with PeakRSS() as rss:
                 t0 = time.perf_counter()
                 out = op()
