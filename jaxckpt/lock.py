@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxckpt.errors import ConfigError, LockedError
+from jaxckpt.errors import LockedError
 from jaxckpt.storage import gcs_blob, is_remote
 
 log = logging.getLogger("jaxckpt")
@@ -93,8 +93,6 @@ class ObjectLease:
     """The writer lock on object storage (see the module's docstring)."""
 
     def __init__(self, directory: str, lease_s: float):
-        if not lease_s > 0:
-            raise ConfigError(f"writer_lease_s must be positive, got {lease_s!r}")
         self.path = f"{directory.rstrip('/')}/{LOCK_FILE}"
         self.lease_s = float(lease_s)
         self._me = {

@@ -126,6 +126,8 @@ class CheckpointManager:
             raise ConfigError(
                 f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
             )
+        if not (isinstance(writer_lease_s, int | float) and writer_lease_s > 0):
+            raise ConfigError(f"writer_lease_s must be a positive number, got {writer_lease_s!r}")
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
         self._read_only = read_only

@@ -552,6 +552,13 @@ def test_bad_policy_values(make, pattern):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("lease", [0, -5, "60"])
+def test_bad_writer_lease(ckpt_dir, lease):
+    with pytest.raises(errors.ConfigError, match=r"writer_lease_s must be a positive number"):
+        jaxckpt.CheckpointManager(ckpt_dir, writer_lease_s=lease)
+    assert not ckpt_dir.exists()  # refused before anything was made
+
+
 def test_unknown_compression(ckpt_dir):
     with pytest.raises(errors.ConfigError, match=r'compression must be None or "zstd", got .lz4'):
         jaxckpt.CheckpointManager(ckpt_dir, compression="lz4")
