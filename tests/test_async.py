@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from conftest import REPO, run_python
 
@@ -119,3 +120,26 @@ def test_background_write_error_surfaces_at_the_next_wait_save_and_close(tmp_pat
     with jaxckpt.CheckpointManager(ckpt) as m:
         np.testing.assert_array_equal(m.restore(1).state["w"], np.arange(16.0, dtype=np.float32))
         np.testing.assert_array_equal(m.restore(4).state["w"], np.arange(16.0, dtype=np.float32))
+
+
+def test_save_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    """`save` pauses the cyclic collector while it blocks, and only then."""
+    import gc
+
+    import jaxckpt
+
+    state = {f"w{i}": np.full(8, i, np.float32) for i in range(100)}
+    with jaxckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state=state)
+        assert gc.isenabled()
+        with pytest.raises(jaxckpt.errors.StepExistsError):
+            m.save(1, state=state)  # refused after the state was flattened
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            m.save(2, state=state)
+            assert not gc.isenabled()  # a user's choice is kept
+        finally:
+            gc.enable()
+        m.wait()
+        assert m.all_steps() == [1, 2]
