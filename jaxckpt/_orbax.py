@@ -169,6 +169,9 @@ class OrbaxStore:
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
+        # Orbax removes unfinished saves of earlier runs in the background, from start-up;
+        # on object storage they sit at their step's path, so wait for that to finish.
+        self._mngr._maybe_await_cleanup_tmp_directory()
         return (self.directory / str(step)).exists()
 
     def save(
