@@ -383,11 +383,7 @@ def save_safetensors(
         )
     out_dir, cast = Path(out_dir), _check_output(out_dir, overwrite, dtype)
     primary = jax.process_index() == 0
-    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
-    targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    targets, skipped = _without_keys(
-        targets, [t.leaf for t in targets if _is_key(leaves[t.leaf])], skip_unsupported
-    )
+    leaves, targets, skipped = _live_targets(state, names, skip_unsupported)
 
     planned: list[Planned] = []
     for target in targets:
@@ -464,11 +460,7 @@ def _save_safetensors_remote(
             "checkpoint and export it with jaxckpt.export_safetensors (or `jaxckpt export`)."
         )
     cast = _check_output(out_dir, overwrite, dtype)
-    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
-    targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    targets, skipped = _without_keys(
-        targets, [t.leaf for t in targets if _is_key(leaves[t.leaf])], skip_unsupported
-    )
+    leaves, targets, skipped = _live_targets(state, names, skip_unsupported)
     shapes = {
         t.leaf: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype)
         for t in targets
@@ -483,6 +475,15 @@ def _save_safetensors_remote(
     return ExportResult(
         epath.Path(out_dir), None, tuple(files), len(planned), total, tuple(skipped)
     )
+
+
+def _live_targets(state, names, skip_unsupported) -> tuple[dict[str, Any], list[Target], list]:
+    """A live state's leaves by name, their placements by the name map (PRNG keys left out),
+    and the names of the keys left out."""
+    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
+    targets = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
+    keys = [t.leaf for t in targets if _is_key(leaves[t.leaf])]
+    return leaves, *_without_keys(targets, keys, skip_unsupported)
 
 
 class _LiveLeaves:

@@ -62,10 +62,7 @@ class WriterLock:
         except BlockingIOError:
             holder = _describe(os.pread(fd, 4096, 0))
             os.close(fd)
-            raise LockedError(
-                f"{self.path.parent} is being written by {holder}; one writer per directory. "
-                "Stop that job first, or open this one with read_only=True to restore."
-            ) from None
+            raise _refused(self.path.parent, holder) from None
         previous = os.pread(fd, 4096, 0)
         if previous.strip():
             log.warning("taking over the writer lock of %s, which is gone", _describe(previous))
@@ -93,7 +90,8 @@ class ObjectLease:
     """The writer lock on object storage (see the module's docstring)."""
 
     def __init__(self, directory: str, lease_s: float):
-        self.path = f"{directory.rstrip('/')}/{LOCK_FILE}"
+        self.directory = directory.rstrip("/")
+        self.path = f"{self.directory}/{LOCK_FILE}"
         self.lease_s = float(lease_s)
         self._me = {
             "host": socket.gethostname(),
@@ -131,7 +129,7 @@ class ObjectLease:
             self._confirm()
         if self._lost is not None:
             raise LockedError(
-                f"this job lost the writer lease on {self.path.rpartition('/')[0]} to "
+                f"this job lost the writer lease on {self.directory} to "
                 f"{self._lost}: it was not renewed for {self.lease_s:g} s (was this process "
                 "stopped?). It writes nothing more there; stop one of the two jobs."
             )
@@ -155,8 +153,7 @@ class ObjectLease:
         from google.api_core.exceptions import NotFound
 
         with self._mutex:  # never between a renewal's write and its new generation
-            blob = gcs_blob(self.path)
-            current = blob.bucket.get_blob(blob.name)
+            current = self._current()
             if current is not None and current.generation == self._generation:
                 return
             try:
@@ -179,8 +176,7 @@ class ObjectLease:
         writer); False if it was released or changed hands meanwhile (look again)."""
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
-        blob = gcs_blob(self.path)
-        current = blob.bucket.get_blob(blob.name)
+        current = self._current()
         if current is None:
             return False
         try:
@@ -204,15 +200,11 @@ class ObjectLease:
             deadline = time.monotonic() + term - idle
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, term / 16, 1.0))
-                now = blob.bucket.get_blob(blob.name)
+                now = self._current()
                 if now is None:
                     return False
                 if now.generation != current.generation:
-                    raise LockedError(
-                        f"{self.path.rpartition('/')[0]} is being written by {_describe(raw)}, "
-                        "which holds its writer lease; one writer per directory. Stop that "
-                        "job first, or open this one with read_only=True to restore."
-                    )
+                    raise _refused(self.directory, f"{_describe(raw)}, which holds its lease")
         try:
             self._write(if_generation_match=current.generation)
         except PreconditionFailed:
@@ -223,6 +215,11 @@ class ObjectLease:
             max(idle, term),
         )
         return True
+
+    def _current(self) -> Any:
+        """The lease object's metadata as the server has it now; None if there is none."""
+        blob = gcs_blob(self.path)
+        return blob.bucket.get_blob(blob.name)
 
     def _server_now(self) -> datetime.datetime:
         """The storage server's clock: the creation time of a probe object."""
@@ -244,6 +241,13 @@ class ObjectLease:
                 return
             except GoogleAPICallError as e:  # transient: the next renewal tries again
                 log.warning("could not renew the writer lease %s: %s", self.path, e)
+
+
+def _refused(directory: Any, holder: str) -> LockedError:
+    return LockedError(
+        f"{directory} is being written by {holder}; one writer per directory. Stop that job "
+        "first, or open this one with read_only=True to restore."
+    )
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
