@@ -143,3 +143,35 @@ def test_save_leaves_the_garbage_collector_as_it_found_it(tmp_path):
             gc.enable()
         m.wait()
         assert m.all_steps() == [1, 2]
+
+
+def test_restore_pauses_the_garbage_collector_and_restores_it(tmp_path):
+    """`restore` runs with the cyclic collector paused (the data iterator, moved last, sees
+    it off) and turns it back on afterwards, also when the restore fails."""
+    import gc
+
+    import jaxckpt
+
+    class Iterator:
+        def __init__(self):
+            self.position, self.gc_during = 0, []
+
+        def get_state(self):
+            return {"position": self.position}
+
+        def set_state(self, state):
+            self.gc_during.append(gc.isenabled())
+            self.position = state["position"]
+
+    data = Iterator()
+    data.position = 7
+    state = {f"w{i}": np.full(8, i, np.float32) for i in range(10)}
+    with jaxckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state=state, data=data)
+        m.wait()
+        restored = m.restore(1, state=state, data=Iterator()).data
+        assert restored.position == 7 and restored.gc_during == [False]
+        assert gc.isenabled()
+        with pytest.raises(jaxckpt.errors.TreeMismatchError):
+            m.restore(1, state={"other": np.zeros(8, np.float32)})
+        assert gc.isenabled()
