@@ -69,6 +69,7 @@ GPU_STATE = dict(  # shapes and description set by --gpu-leaf-side
 RESTORES = ("same mesh", "onto (2, 4)", "onto 1 device")
 SAVE_FILE = "safetensors save_file (host arrays)"
 GATHER_SAVE_FILE = "np.asarray (gather) + safetensors save_file"
+ORBAX_SAVE_FILE = "Orbax restore + np.asarray + safetensors save_file"
 EXPORTS = (
     "jaxckpt save_safetensors (live state)",
     "jaxckpt export_safetensors (from the checkpoint)",
@@ -160,7 +161,9 @@ def report(
                 verdict(med(e[SAVE_FILE]["time"]) / med(e[k]["time"]), 1.0, False) for k in EXPORTS
             )
             + " (live vs gather + save_file: "
-            + f"{med(e[GATHER_SAVE_FILE]['time']) / med(e[EXPORTS[0]]['time']):.2f})"
+            + f"{med(e[GATHER_SAVE_FILE]['time']) / med(e[EXPORTS[0]]['time']):.2f}; "
+            + "from the checkpoint vs Orbax restore + save_file: "
+            + f"{med(e[ORBAX_SAVE_FILE]['time']) / med(e[EXPORTS[1]]['time']):.2f})"
             if e
             else "-"
         )

@@ -310,8 +310,8 @@ for name, c in contenders.items():
 class Export:
     """safetensors' save_file of the state's arrays already in host memory (+ fsync) vs
     jaxckpt writing the same files from the live sharded state (save_safetensors) and from
-    the committed step (export_safetensors, which also reads and verifies it); importing
-    both back onto the mesh."""
+    the committed step (export_safetensors, which also reads and verifies it, against
+    Orbax's restore + save_file); importing both back onto the mesh."""
 
     def __init__(self):
         self.ckpt = contenders["jaxckpt"].dir
@@ -339,6 +339,13 @@ class Export:
     def gather_save_file(self, arrays):
         self.save_file({k: np.asarray(v) for k, v in arrays.items()})
 
+    def orbax_restore_save_file(self):
+        """What a user of plain Orbax does to export a checkpoint: restore it onto the mesh,
+        gather, save_file (no checksums to verify)."""
+        orbax = contenders["orbax"].m
+        restored = orbax.restore(orbax.latest_step(), args=ocp.args.StandardRestore(state))
+        self.save_file({k: np.asarray(v) for k, v in restored.items()})
+
     def jaxckpt_import(self):
         return jaxckpt.load_safetensors(self.out + "-jaxckpt", targets["same mesh"])
 
@@ -355,6 +362,7 @@ if SPEC["export"]:
         "jaxckpt export_safetensors (from the checkpoint)": e.jaxckpt_export,
         "safetensors save_file (host arrays)": e.save_file,
         "np.asarray (gather) + safetensors save_file": e.gather_save_file,
+        "Orbax restore + np.asarray + safetensors save_file": e.orbax_restore_save_file,
         "jaxckpt load_safetensors": e.jaxckpt_import,
         "safetensors load_file + device_put": e.load_file,
     }
