@@ -233,16 +233,7 @@ def _plan_tensors(targets, by_name, cast, reader, progress=None) -> list[Planned
         dtype = np.dtype(spec.dtype)
         if cast is not None and _is_float(dtype):
             dtype = cast
-        shape = list(spec.shape)
-        if target.split is not None:
-            del shape[target.split]
-        if target.transpose is not None:
-            if sorted(target.transpose) != list(range(len(shape))):
-                raise ConfigError(
-                    f"transpose {target.transpose} does not fit leaf {target.leaf!r} "
-                    f"(tensor shape {tuple(shape)})"
-                )
-            shape = [shape[a] for a in target.transpose]
+        shape = _file_shape(target, spec.shape)
         for i, name in enumerate(target.names):
 
             def produce(i=i, target=target, dtype=dtype):
@@ -461,11 +452,11 @@ def _save_safetensors_remote(
         )
     cast = _check_output(out_dir, overwrite, dtype)
     leaves, targets, skipped = _live_targets(state, names, skip_unsupported)
-    shapes = {
-        t.leaf: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype)
-        for t in targets
-        for x in [leaves[t.leaf]]
-    }
+    shapes = {}
+    for t in targets:
+        leaf = leaves[t.leaf]
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        shapes[t.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), dtype)
     planned = _plan_tensors(targets, shapes, cast, _LiveLeaves(leaves))
     files = _pack(planned, parse_size(max_shard_size))
     _write_remote(
@@ -677,10 +668,16 @@ def _open(path: Path) -> dict[str, tuple[Path, st.TensorInfo]]:
 
 
 def _file_shape(placed: Target, shape) -> tuple[int, ...]:
+    """The shape of each file tensor a leaf of `shape` becomes (split, then transposed)."""
     shape = list(shape)
     if placed.split is not None:
         del shape[placed.split]
     if placed.transpose is not None:
+        if sorted(placed.transpose) != list(range(len(shape))):
+            raise ConfigError(
+                f"transpose {placed.transpose} does not fit leaf {placed.leaf!r} "
+                f"(tensor shape {tuple(shape)})"
+            )
         shape = [shape[a] for a in placed.transpose]
     return tuple(shape)
 

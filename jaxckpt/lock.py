@@ -259,8 +259,8 @@ def _parse(raw: bytes) -> dict[str, Any]:
 
 
 def _describe(raw: bytes) -> str:
+    who = _parse(raw)
     try:
-        who = json.loads(raw)
         return f"host {who['host']} pid {who['pid']} (since {who['since']})"
-    except (ValueError, KeyError, TypeError):
+    except KeyError:
         return "another process"

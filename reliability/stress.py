@@ -109,9 +109,11 @@ def start_writers(directory: str, processes: int) -> list[subprocess.Popen]:
 def unfinished(directory: epath.Path) -> list[str]:
     """Saves that never committed: Orbax's temporary folders (local disk) or, on object
     storage, step folders without Orbax's commit marker."""
+    from jaxckpt.storage import is_remote
+
     names = [p.name for p in directory.iterdir()]
     tmp = [n for n in names if "orbax-checkpoint-tmp" in n]
-    if "://" in str(directory):
+    if is_remote(directory):
         tmp += [
             n for n in names if n.isdigit() and not (directory / n / "commit_success.txt").exists()
         ]

@@ -220,6 +220,20 @@ def test_names_the_map_cannot_place(small_checkpoint, tmp_path):
         jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out", names=names)
 
 
+def test_a_transpose_that_does_not_fit_is_refused_by_both_exports(mesh, tmp_path):
+    state = {"w": np.ones((4, 6), np.float32)}
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    names = {"rules": [{"match": "^w$", "name": "weight", "transpose": [2, 0, 1]}]}
+    message = r"transpose \(2, 0, 1\) does not fit leaf 'w' \(tensor shape \(4, 6\)\)"
+    with pytest.raises(errors.ConfigError, match=message):
+        jaxckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "out", names=names)
+    live = {"w": jax.device_put(state["w"], NamedSharding(mesh, P("data", "model")))}
+    with pytest.raises(errors.ConfigError, match=message):
+        jaxckpt.save_safetensors(live, tmp_path / "live", names=names)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "live").exists()
+
+
 def test_keys_are_skipped_with_a_note_or_refused(small_checkpoint, tmp_path, caplog):
     result = jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out")
     assert result.skipped == ("key",) and result.tensors == 2
