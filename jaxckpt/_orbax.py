@@ -234,6 +234,10 @@ class OrbaxStore:
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
         self._mngr.wait_until_finished()
+        # The manager waits only for its finalize thread, which it starts at the end of its
+        # save: when that save failed after starting the step's background commit (a barrier
+        # meeting a dead process), only the checkpointer knows of the commit still running.
+        self._mngr._checkpointer.wait_until_finished()
 
     def read_info(self, step: int) -> dict[str, Any]:
         """The step's jaxckpt.json: read as the plain JSON file Orbax's JsonCheckpointHandler

@@ -99,7 +99,12 @@ class OutputExistsError(JaxckptError, FileExistsError):
 
 class SaveError(JaxckptError, RuntimeError):
     """A save failed: at once, or in the background (then raised by the next `save`, `wait`
-    or `close`). Steps committed before it are intact; the failed step is not visible.
+    or `close`). Steps committed before it are intact.
+
+    The failed step is not visible, unless `committed` is True: every process had written
+    its part and the step committed, but something failed around it, e.g. a process that
+    died before confirming the commit. Such a step is whole; a multi-host job whose process
+    died still has to restart.
     """
 
     def __init__(
@@ -112,17 +117,29 @@ class SaveError(JaxckptError, RuntimeError):
         missing: Sequence[int] = (),
     ):
         self.step = step
+        self.committed = step in committed
         self.missing_processes = list(missing)
         when = " in the background" if background else ""
-        lost = (
-            f" Process(es) {', '.join(map(str, missing))} never reached the commit barrier: "
-            "they probably died; restart the job, it resumes from the last committed step."
-            if missing
-            else ""
-        )
+        processes = f" Process(es) {', '.join(map(str, missing))}"
+        if not missing:
+            lost = ""
+        elif self.committed:
+            lost = (
+                f"{processes} never confirmed the commit: they probably died after writing"
+                f" their part; restart the job, it resumes from step {step}."
+            )
+        else:
+            lost = (
+                f"{processes} never reached the commit barrier: they probably died; restart"
+                " the job, it resumes from the last committed step."
+            )
+        if self.committed:
+            fate = f"Step {step} committed all the same and is whole; committed steps:"
+        else:
+            fate = f"Step {step} was not committed; committed steps are intact:"
         super().__init__(
             f"saving step {step} failed{when}: {type(cause).__name__}: {cause}.{lost} "
-            f"Step {step} was not committed; committed steps are intact: {_steps(committed)}."
+            f"{fate} {_steps(committed)}."
         )
 
 

@@ -268,7 +268,7 @@ class CheckpointManager:
                     step, state=state_arrays, rng=rng_arrays, data=data_text, info=info
                 )
             except Exception as e:
-                raise SaveError(step, e, self._store.committed_steps(), background=False) from e
+                raise self._save_error(step, e, background=False) from e
         self._in_flight = step
         self._last_saved_step = step
         self._last_save_time = self._clock()
@@ -485,14 +485,25 @@ class CheckpointManager:
         try:
             self._store.wait()
         except Exception as e:
-            raise SaveError(
-                step, e, self._store.committed_steps(), missing=_missing_processes(e)
-            ) from e
+            raise self._save_error(step, e, background=True) from e
         if self._retention.keep_last is None:
             return  # keeps everything: no need to list the directory
         for old in self._retention.steps_to_delete(self._store.committed_steps()):
             log.info("retention: deleting step %d from %s", old, self.directory)
             self._store.delete(old)
+
+    def _save_error(self, step: int, error: Exception, *, background: bool) -> SaveError:
+        """The SaveError for `step`, worded from the directory once nothing of the step is
+        still running: Orbax may fail in the foreground after it started the step's commit
+        in the background (a barrier with a dead process), and that commit can still land."""
+        missing = _missing_processes(error)
+        if not background:
+            try:
+                self._store.wait()  # bounded: each barrier in it times out after timeout_s
+            except Exception as late:
+                missing = sorted({*missing, *_missing_processes(late)})
+        committed = self._store.committed_steps()
+        return SaveError(step, error, committed, background=background, missing=missing)
 
     def _before_commit(self, step_dir: epath.Path) -> None:
         if self._lock is not None:

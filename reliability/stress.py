@@ -315,7 +315,9 @@ Also covered by tests (one run each, every `make test`):
 | fault | result |
 | --- | --- |
 | write fails in the background (file size limit: EFBIG, like a full disk) | `SaveError` at the next `save`/`wait`/`close`, naming the step and cause; earlier steps intact and restorable; the manager keeps working |
-| a process dies mid-save (2 processes) | the survivor's `SaveError.missing_processes == [1]` within the barrier timeout; the step never commits |
+| a process dies mid-save (2 processes), before confirming its part | the survivor's `SaveError.missing_processes == [1]` within the barrier timeout; the step never commits |
+| a process dies mid-save (2 processes), after every part was written and confirmed | the survivor's `SaveError` has `committed` true and says the step is whole; the step restores |
+| Orbax's save fails in the foreground after the step's background commit started | the `SaveError` is worded once that commit is over: the step committed, and is whole |
 | a second writer on the same directory | `LockedError` naming host and pid; readers (`read_only=True`) unaffected |
 | a writer dies holding the lock | the next writer takes it over and logs whose it was |
 | gs://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |

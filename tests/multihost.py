@@ -52,7 +52,7 @@ class Result:
         """The JSON object the body printed on its last `RESULT ` line."""
         lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, (
-            f"no RESULT line (rc={self.returncode})\n{self.stdout[-2000:]}\n{self.stderr[-4000:]}"
+            f"no RESULT line (rc={self.returncode})\n{self.stdout[-2000:]}\n{self.stderr[-12000:]}"
         )
         return json.loads(lines[-1][len("RESULT ") :])
 

@@ -175,3 +175,40 @@ def test_restore_pauses_the_garbage_collector_and_restores_it(tmp_path):
         with pytest.raises(jaxckpt.errors.TreeMismatchError):
             m.restore(1, state={"other": np.zeros(8, np.float32)})
         assert gc.isenabled()
+
+
+def test_a_save_failing_after_its_background_commit_started_says_whether_it_committed(
+    tmp_path, monkeypatch
+):
+    """Orbax's save can fail in the foreground after it started the step's commit in the
+    background: on several hosts, its last barrier meets a dead process. The error is worded
+    once that commit is over, from the directory, and the manager keeps working."""
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+
+    old_steps = ocp.CheckpointManager._get_old_steps_to_remove
+
+    def fail_at_step_2(self):  # runs after the background commit started, before the barrier
+        if self._checkpoints and self._checkpoints[-1].step == 2:
+            raise OSError("the barrier after the write started failed")
+        return old_steps(self)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_get_old_steps_to_remove", fail_at_step_2)
+    x = np.arange(1024, dtype=np.float32)
+    with jaxckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state={"x": x})
+        with pytest.raises(jaxckpt.errors.SaveError) as failed:
+            m.save(2, state={"x": x + 2})
+        assert failed.value.committed and failed.value.step == 2
+        assert "saving step 2 failed: OSError: the barrier after the write started" in str(
+            failed.value
+        )
+        assert "Step 2 committed all the same and is whole; committed steps: 1, 2." in str(
+            failed.value
+        )
+        m.save(3, state={"x": x + 3})
+    with jaxckpt.CheckpointManager(tmp_path, read_only=True) as m:
+        assert m.all_steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            np.testing.assert_array_equal(m.restore(step).state["x"], x + (step if step > 1 else 0))

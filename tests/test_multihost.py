@@ -157,50 +157,113 @@ print("RESULT " + json.dumps(report))
     assert [r.report()["step"] for r in results] == [5, 5]
 
 
-def test_a_process_dying_mid_save_fails_the_others_in_bounded_time(tmp_path):
-    body = (
-        COMMON
-        + """
+# A process that dies during a save of step 2: the survivor's wait() raises SaveError, then
+# a fresh process lists the steps and restores the latest. The kill moment is set by a hook in
+# the body (below), never by timing: a kill right after save() returned could come before or
+# after the dead process's part was written, and the two cases commit differently.
+DIES_DURING_STEP_2 = (
+    COMMON
+    + """
 import signal, time
+from pathlib import Path
+SCRATCH = Path(ARGS["scratch"])
+(SCRATCH / f"pid{PROCESS_ID}").write_text(str(os.getpid()))
+
+
+def wait_until_process_0_saved():
+    # Killing process 1 before process 0's save() returned would fail that save instead.
+    deadline = time.monotonic() + 60
+    while not (SCRATCH / "saved0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 mesh = mesh_of((4, 2), ("data", "model"))
 m = jaxckpt.CheckpointManager(ARGS["dir"], timeout_s=5)
 m.save(1, state=make_state(mesh))
 m.wait()
+KILL_HOOK()
 m.save(2, state=make_state(mesh))
-if PROCESS_ID == 1:
-    os.kill(os.getpid(), signal.SIGKILL)  # dies with its part of step 2 unwritten
+(SCRATCH / f"saved{PROCESS_ID}").touch()
 t0 = time.monotonic()
 try:
     m.wait()
     report = {"error": None}
 except jaxckpt.errors.SaveError as e:
-    report = {"error": str(e), "missing": e.missing_processes}
+    report = {"error": str(e), "missing": e.missing_processes, "committed": e.committed}
 report["seconds"] = time.monotonic() - t0
 print("RESULT " + json.dumps(report), flush=True)
 """
-    )
-    # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
-    survivor, dead = run_job(
-        body, processes=2, devices=4, args={"dir": str(tmp_path), "heartbeat_s": 10}, check=False
-    )
-    assert dead.returncode == -9
-    report = survivor.report()
-    assert report["missing"] == [1], report
-    assert "saving step 2 failed in the background" in report["error"]
-    assert "Process(es) 1 never reached the commit barrier" in report["error"]
-    assert report["seconds"] < 60  # bounded by timeout_s per barrier, not a hang
-    body = (
-        COMMON
-        + """
+)
+
+LIST_AND_RESTORE = (
+    COMMON
+    + """
 with jaxckpt.CheckpointManager(ARGS["dir"]) as m:
     report = {"steps": m.all_steps()}
     restored = m.restore(state={"w": np.zeros_like(W), "b": np.zeros_like(B), "step": 0})
+    report["restored"] = restored.step
     report["intact"] = bool(np.array_equal(restored.state["w"], W))
 print("RESULT " + json.dumps(report))
 """
-    )
-    (result,) = run_job(body, processes=1, devices=8, args={"dir": str(tmp_path)})
-    assert result.report() == {"steps": [1], "intact": True}  # no partial step 2
+)
+
+
+def _kill_during_step_2(tmp_path, hook):
+    """Runs DIES_DURING_STEP_2 with `hook` (defining KILL_HOOK) on 2 processes: the survivor's
+    report, then what a fresh process finds in the directory."""
+    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "heartbeat_s": 10}
+    body = DIES_DURING_STEP_2.replace("KILL_HOOK()", hook + "\nKILL_HOOK()")
+    # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
+    survivor, dead = run_job(body, processes=2, devices=4, args=args, check=False)
+    assert dead.returncode == -9, dead.stderr[-2000:]
+    report = survivor.report()
+    assert report["missing"] == [1], report
+    assert report["seconds"] < 60  # bounded by timeout_s per barrier, not a hang
+    (after,) = run_job(LIST_AND_RESTORE, processes=1, devices=8, args=args)
+    return report, after.report()
+
+
+def test_a_process_dying_before_it_confirms_its_part_fails_the_others_and_never_commits(
+    tmp_path,
+):
+    # Process 1 dies once its shards are written, before the barrier where every process
+    # confirms its part (Orbax records this event between the two).
+    hook = """
+def KILL_HOOK():
+    def kill(event, duration, **kwargs):
+        if PROCESS_ID == 1 and event == "/jax/checkpoint/write/async/commit_duration_sec":
+            wait_until_process_0_saved()
+            os.kill(os.getpid(), signal.SIGKILL)
+    jax.monitoring.register_event_duration_secs_listener(kill)
+"""
+    report, after = _kill_during_step_2(tmp_path, hook)
+    assert not report["committed"]
+    assert "saving step 2 failed in the background: " in report["error"]
+    assert "Process(es) 1 never reached the commit barrier" in report["error"]
+    assert "Step 2 was not committed; committed steps are intact: 1." in report["error"]
+    assert after == {"steps": [1], "restored": 1, "intact": True}  # no partial step 2
+
+
+def test_a_process_dying_after_the_write_barrier_leaves_a_whole_step_and_says_so(tmp_path):
+    # Every part is written and confirmed; process 0 kills process 1 while it commits. The
+    # step is whole, and the survivor's error must not claim that it was not committed.
+    hook = """
+def KILL_HOOK():
+    write_manifest = jaxckpt.integrity.write_manifest
+    def kill_then_commit(step_dir):
+        if step_dir.name.startswith("2"):
+            wait_until_process_0_saved()
+            os.kill(int((SCRATCH / "pid1").read_text()), signal.SIGKILL)
+        write_manifest(step_dir)
+    jaxckpt.integrity.write_manifest = kill_then_commit
+"""
+    report, after = _kill_during_step_2(tmp_path, hook)
+    assert report["committed"]
+    assert "saving step 2 failed in the background: " in report["error"]
+    assert "Process(es) 1 never confirmed the commit" in report["error"]
+    assert "it resumes from step 2" in report["error"]
+    assert "Step 2 committed all the same and is whole; committed steps: 1, 2." in report["error"]
+    assert after == {"steps": [1, 2], "restored": 2, "intact": True}
 
 
 def test_two_processes_agree_that_a_corrupt_step_is_corrupt(saved_on_two_hosts):
