@@ -322,7 +322,7 @@ Also covered by tests (one run each, every `make test`):
 | a writer dies holding the lock | the next writer takes it over and logs whose it was |
 | gs://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |
 | gs://: retention's deletes stalled | saves commit; the deleted steps are hidden by tombstones from every reader until their objects are gone |
-| a process SIGSTOPped the instant `save` returned, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
+| a process SIGSTOPped once a step's arrays are written, before its commit, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
 """
 
 

@@ -1,8 +1,8 @@
 """A process killed mid-save leaves no visible partial step, and its leftovers are cleaned.
 
 The writer is a real child process saving real arrays with real Orbax; it is killed with
-SIGKILL either at a chosen point (frozen the instant `save` returned) or after a seeded
-random delay while it saves in a loop (the stress script's trial). Every step that is
+SIGKILL either at a chosen point (frozen once a step's arrays are written, before its commit)
+or after a seeded random delay while it saves in a loop (the stress script's trial). Every step that is
 visible afterwards must verify and restore with exactly the bytes that were saved for it.
 """
 
@@ -28,8 +28,16 @@ FREEZER = textwrap.dedent(
     m = jaxckpt.CheckpointManager(directory)
     m.save(1, state={"x": jnp.arange(n, dtype=jnp.float32) + 1}, meta={"step": 1})
     m.wait()
+
+    def freeze(event, duration, **kwargs):
+        # Step 2's arrays are written, its commit not yet made (Orbax records this event
+        # between the two): frozen there, at the last moment before the commit, not by timing.
+        if event == "/jax/checkpoint/write/async/commit_duration_sec":
+            os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us now
+
+    jax.monitoring.register_event_duration_secs_listener(freeze)
     m.save(2, state={"x": jnp.arange(n, dtype=jnp.float32) + 2}, meta={"step": 2})
-    os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-save: the parent kills us now
+    m.wait()
     """
 )
 
