@@ -1,9 +1,10 @@
 """A process killed mid-save leaves no visible partial step, and its leftovers are cleaned.
 
 The writer is a real child process saving real arrays with real Orbax; it is killed with
-SIGKILL either at a chosen point (frozen once a step's arrays are written, before its commit)
-or after a seeded random delay while it saves in a loop (the stress script's trial). Every step that is
-visible afterwards must verify and restore with exactly the bytes that were saved for it.
+SIGKILL either at a chosen point (frozen once a step's arrays are written, before its
+commit) or after a seeded random delay while it saves in a loop (the stress script's trial).
+Every step that is visible afterwards must verify and restore with exactly the bytes that
+were saved for it.
 """
 
 import os
@@ -13,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, WRITES_DONE_EVENT
 from reliability.stress import N, Tally, check, kill_trial
 
 FREEZER = textwrap.dedent(
@@ -24,15 +25,13 @@ FREEZER = textwrap.dedent(
     import jax.numpy as jnp
     import jaxckpt
 
-    directory, n = sys.argv[1], int(sys.argv[2])
+    directory, n, writes_done = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     m = jaxckpt.CheckpointManager(directory)
     m.save(1, state={"x": jnp.arange(n, dtype=jnp.float32) + 1}, meta={"step": 1})
     m.wait()
 
     def freeze(event, duration, **kwargs):
-        # Step 2's arrays are written, its commit not yet made (Orbax records this event
-        # between the two): frozen there, at the last moment before the commit, not by timing.
-        if event == "/jax/checkpoint/write/async/commit_duration_sec":
+        if event == writes_done:  # step 2's arrays are written, its commit not yet made
             os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us now
 
     jax.monitoring.register_event_duration_secs_listener(freeze)
@@ -44,7 +43,9 @@ FREEZER = textwrap.dedent(
 
 def test_kill_while_a_save_is_in_flight(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-c", FREEZER, str(tmp_path), str(N)], cwd=REPO, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", FREEZER, str(tmp_path), str(N), WRITES_DONE_EVENT],
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
     )
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)

@@ -8,6 +8,8 @@ shards it holds against the global array.
 import pytest
 from multihost import run_job
 
+from conftest import WRITES_DONE_EVENT
+
 COMMON = """
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -158,9 +160,9 @@ print("RESULT " + json.dumps(report))
 
 
 # A process that dies during a save of step 2: the survivor's wait() raises SaveError, then
-# a fresh process lists the steps and restores the latest. The kill moment is set by a hook in
-# the body (below), never by timing: a kill right after save() returned could come before or
-# after the dead process's part was written, and the two cases commit differently.
+# a fresh process lists the steps and restores the latest. The kill moment is set by a hook
+# armed before that save (ARM_THE_KILL), never by timing: a kill right after save() returned
+# could come before or after the dead process's part was written, which commit differently.
 DIES_DURING_STEP_2 = (
     COMMON
     + """
@@ -181,7 +183,7 @@ mesh = mesh_of((4, 2), ("data", "model"))
 m = jaxckpt.CheckpointManager(ARGS["dir"], timeout_s=5)
 m.save(1, state=make_state(mesh))
 m.wait()
-KILL_HOOK()
+ARM_THE_KILL
 m.save(2, state=make_state(mesh))
 (SCRATCH / f"saved{PROCESS_ID}").touch()
 t0 = time.monotonic()
@@ -209,10 +211,15 @@ print("RESULT " + json.dumps(report))
 
 
 def _kill_during_step_2(tmp_path, hook):
-    """Runs DIES_DURING_STEP_2 with `hook` (defining KILL_HOOK) on 2 processes: the survivor's
+    """Runs DIES_DURING_STEP_2 with `hook` as its ARM_THE_KILL on 2 processes: the survivor's
     report, then what a fresh process finds in the directory."""
-    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "heartbeat_s": 10}
-    body = DIES_DURING_STEP_2.replace("KILL_HOOK()", hook + "\nKILL_HOOK()")
+    args = {
+        "dir": str(tmp_path / "ckpt"),
+        "scratch": str(tmp_path),
+        "heartbeat_s": 10,
+        "writes_done": WRITES_DONE_EVENT,
+    }
+    body = DIES_DURING_STEP_2.replace("ARM_THE_KILL", hook.strip())
     # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
     survivor, dead = run_job(body, processes=2, devices=4, args=args, check=False)
     assert dead.returncode == -9, dead.stderr[-2000:]
@@ -227,14 +234,13 @@ def test_a_process_dying_before_it_confirms_its_part_fails_the_others_and_never_
     tmp_path,
 ):
     # Process 1 dies once its shards are written, before the barrier where every process
-    # confirms its part (Orbax records this event between the two).
+    # confirms its part.
     hook = """
-def KILL_HOOK():
-    def kill(event, duration, **kwargs):
-        if PROCESS_ID == 1 and event == "/jax/checkpoint/write/async/commit_duration_sec":
-            wait_until_process_0_saved()
-            os.kill(os.getpid(), signal.SIGKILL)
-    jax.monitoring.register_event_duration_secs_listener(kill)
+def kill(event, duration, **kwargs):
+    if PROCESS_ID == 1 and event == ARGS["writes_done"]:
+        wait_until_process_0_saved()
+        os.kill(os.getpid(), signal.SIGKILL)
+jax.monitoring.register_event_duration_secs_listener(kill)
 """
     report, after = _kill_during_step_2(tmp_path, hook)
     assert not report["committed"]
@@ -248,14 +254,13 @@ def test_a_process_dying_after_the_write_barrier_leaves_a_whole_step_and_says_so
     # Every part is written and confirmed; process 0 kills process 1 while it commits. The
     # step is whole, and the survivor's error must not claim that it was not committed.
     hook = """
-def KILL_HOOK():
-    write_manifest = jaxckpt.integrity.write_manifest
-    def kill_then_commit(step_dir):
-        if step_dir.name.startswith("2"):
-            wait_until_process_0_saved()
-            os.kill(int((SCRATCH / "pid1").read_text()), signal.SIGKILL)
-        write_manifest(step_dir)
-    jaxckpt.integrity.write_manifest = kill_then_commit
+write_manifest = jaxckpt.integrity.write_manifest
+def kill_then_commit(step_dir):
+    if step_dir.name.startswith("2"):
+        wait_until_process_0_saved()
+        os.kill(int((SCRATCH / "pid1").read_text()), signal.SIGKILL)
+    write_manifest(step_dir)
+jaxckpt.integrity.write_manifest = kill_then_commit
 """
     report, after = _kill_during_step_2(tmp_path, hook)
     assert report["committed"]
