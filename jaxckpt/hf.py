@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -576,9 +577,12 @@ def load_safetensors(
       names: the same name map as for export (leaf names -> tensor names).
       ignore: a regex of file tensors that may stay unused (e.g. `lm_head.weight` when tied).
 
-    Floating-point tensors are cast to the target's dtype; other dtypes must match.
+    Floating-point tensors are cast to the target's dtype; other dtypes must match. From a
+    directory only regular files inside it are read, symbolic links resolved (a Hugging Face
+    hub cache snapshot may read its repo's blobs); FormatError for anything else, and for
+    files or an index the reference loaders would refuse.
     """
-    headers = _open(epath.Path(path))
+    headers = _open(path)
     name_map = NameMap.load(names)
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     leaves = [(leaf_name(p), tree_util.keystr(p), leaf) for p, leaf in pairs]
@@ -641,30 +645,154 @@ def load_safetensors(
     return tree_util.tree_unflatten(treedef, arrays)
 
 
-def _open(path: Path) -> dict[str, tuple[Path, st.TensorInfo]]:
-    """{tensor name: (file, info)} over a file or an HF directory."""
-    if path.is_dir():
-        index = path / INDEX_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise FormatError(f"{index} is not a valid index: {e}") from None
-            files = sorted(set(weight_map.values()))
-        elif (path / SINGLE_FILE).exists():
-            files = [SINGLE_FILE]
-        else:
-            raise FormatError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
-        paths = [path / f for f in files]
-    elif path.exists():
-        paths = [path]
+def _open(path: str | os.PathLike) -> dict[str, tuple[Path, st.TensorInfo]]:
+    """{tensor name: (file, info)} over a file or an HF directory.
+
+    From a directory only regular files inside it are read, once symbolic links are
+    resolved: the index's weight_map cannot send the load elsewhere (`../x`, `/abs`, a link
+    out). One layout is allowed on purpose: a Hugging Face hub cache snapshot
+    (`<repo>/snapshots/<rev>/` whose files link to `<repo>/blobs/`) may read anything inside
+    `<repo>`. A file named by the caller may be a link (their choice) but must be a regular
+    file. The index and the shards must agree: each tensor in the one file the index names.
+    """
+    if is_remote(path):
+        root, inside = epath.Path(path), None  # object storage has no links to follow
+        if not root.is_dir():
+            if not root.exists():
+                raise FileNotFoundError(f"{root} does not exist")
+            return {n: (root, info) for n, info in st.read_header(root)[0].items()}
     else:
-        raise FileNotFoundError(f"{path} does not exist")
-    out: dict[str, tuple[Path, st.TensorInfo]] = {}
-    for p in paths:
-        for name, info in st.read_header(p)[0].items():
-            out[name] = (p, info)
-    return out
+        given = Path(path)
+        if not given.is_dir():
+            if not os.path.lexists(given):
+                raise FileNotFoundError(f"{given} does not exist")
+            real = Path(os.path.realpath(given))
+            return {n: (real, info) for n, info in st.read_header(real)[0].items()}
+        root = Path(os.path.realpath(given))
+        inside = _allowed_root(root)
+    if _lexists(root / INDEX_FILE):
+        index = _inside(root, INDEX_FILE, inside)
+        by_file: dict[str, set[str]] = {}
+        for tensor, file in _read_index(index).items():
+            by_file.setdefault(_shard_name(index, tensor, file), set()).add(tensor)
+        shards = {file: _inside(root, file, inside) for file in sorted(by_file)}
+        found = {file: st.read_header(p)[0] for file, p in shards.items()}
+        _check_index(index, by_file, found)
+        return {n: (shards[f], info) for f, infos in found.items() for n, info in infos.items()}
+    if _lexists(root / SINGLE_FILE):
+        single = _inside(root, SINGLE_FILE, inside)
+        return {n: (single, info) for n, info in st.read_header(single)[0].items()}
+    raise FormatError(f"{root} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+MAX_INDEX = 100 * 1000 * 1000  # bytes; real indexes are kilobytes to a few megabytes
+
+
+def _lexists(path) -> bool:
+    """Whether the name exists (a dangling link counts: it is then refused, not skipped)."""
+    return path.exists() if is_remote(path) else os.path.lexists(path)
+
+
+def _allowed_root(directory: Path) -> Path:
+    """What files in the (resolved) `directory` may resolve into: itself, or for a hub cache
+    snapshot `<repo>/snapshots/<rev>` beside `<repo>/blobs`, the whole `<repo>`."""
+    snapshots = directory.parent
+    if snapshots.name == "snapshots" and (snapshots.parent / "blobs").is_dir():
+        return snapshots.parent
+    return directory
+
+
+def _inside(root, name: str, inside: Path | None):
+    """`root / name` resolved, refused unless it stays inside `inside` (None: remote)."""
+    if inside is None:
+        return root / name
+    real = Path(os.path.realpath(root / name))
+    if not real.is_relative_to(inside):
+        raise FormatError(
+            f"{st.quote_name(str(root / name), 4096)} leads to {st.quote_name(str(real), 4096)}, outside "
+            f"{inside}; only files inside the model "
+            "directory are read. Copy the file into the directory, or load it by its own path"
+        )
+    return real
+
+
+def _shard_name(index, tensor: str, file: str) -> str:
+    """A weight_map file name, normalized; refused if absolute, with `..` or a URL scheme."""
+    parts = file.replace("\\", "/").split("/")
+    if not file or "\0" in file or file.startswith(("/", "\\")) or ".." in parts or "://" in file:
+        raise FormatError(
+            f"{index}: weight_map puts {st.quote_name(tensor)} in {st.quote_name(file)}; shard names must "
+            "be relative to the index's directory, without '..'. Fix the index"
+        )
+    return posixpath.normpath(file)
+
+
+def _read_index(index) -> dict[str, str]:
+    """The weight_map of an HF index, its types checked."""
+    with st.open_regular(index) as (f, size, _):
+        if size > MAX_INDEX:
+            raise FormatError(f"{index} has {size} bytes, too many for an index (at most 100 MB)")
+        try:
+            raw = f.read(MAX_INDEX + 1)
+        except OSError as e:
+            raise FormatError(f"cannot read {index}: {e.strerror or type(e).__name__}") from None
+    if len(raw) > MAX_INDEX:
+        raise FormatError(f"{index} grew past 100 MB while it was read")
+    data = st.parse_json(raw, str(index))
+    fix = "re-download or re-export the model"
+    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+        raise FormatError(
+            f"{index} is not a valid index: it must be a JSON object whose weight_map is an "
+            f"object of tensor names to file names; {fix}"
+        )
+    weight_map = data["weight_map"]
+    if not weight_map:
+        raise FormatError(f"{index} is not a valid index: its weight_map names no tensors; {fix}")
+    if bad := [t for t, f in weight_map.items() if not isinstance(f, str)]:
+        raise FormatError(
+            f"{index} is not a valid index: weight_map maps {st.quote_name(bad[0])} to something "
+            f"other than a file name (a string); {fix}"
+        )
+    metadata = data.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{index} is not a valid index: its metadata is not an object; {fix}")
+    # transformers and huggingface_hub write an int; older transformers counted a bool as
+    # 1/8 byte and could write a float. It is not used here, only checked for sense.
+    total = metadata.get("total_size", 0)
+    if type(total) not in (int, float) or total < 0:
+        raise FormatError(
+            f"{index} is not a valid index: metadata.total_size must be a non-negative number "
+            f"of bytes; {fix}"
+        )
+    return weight_map
+
+
+def _check_index(index, by_file: dict[str, set[str]], found: dict[str, dict]) -> None:
+    """Each tensor in exactly one shard, the one the index names for it."""
+    fix = "the export is incomplete or was altered: re-download or re-export it"
+    owner: dict[str, str] = {}
+    for file, tensors in found.items():
+        for name in tensors:
+            if name in owner:
+                raise FormatError(
+                    f"tensor {st.quote_name(name)} is in both {st.quote_name(owner[name])} and "
+                    f"{st.quote_name(file)} (listed in "
+                    f"{index}); a tensor must be in exactly one shard: {fix}"
+                )
+            owner[name] = file
+    for file, tensors in found.items():
+        if missing := sorted(by_file[file] - tensors.keys()):
+            names = ", ".join(map(st.quote_name, missing[:5])) + (
+                " ..." if len(missing) > 5 else ""
+            )
+            raise FormatError(
+                f"{index} puts {names} in {st.quote_name(file)}, which does not hold them: {fix}"
+            )
+        if extra := sorted(tensors.keys() - by_file[file]):
+            names = ", ".join(map(st.quote_name, extra[:5])) + (" ..." if len(extra) > 5 else "")
+            raise FormatError(
+                f"{st.quote_name(file)} holds {names}, which {index} does not put in that file: {fix}"
+            )
 
 
 def _file_shape(placed: Target, shape) -> tuple[int, ...]:

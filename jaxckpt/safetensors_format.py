@@ -10,13 +10,18 @@ memory for one tensor, never for the file.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import re
+import stat as stat_module
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -62,6 +67,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int  # absolute offset in the file
     end: int
+    file_id: tuple[int, int] | None = None  # (device, inode) of the local file read
 
     @property
     def nbytes(self) -> int:
@@ -234,42 +240,73 @@ def _pwrite_all(fd: int, buffers: list, position: int) -> None:
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and metadata of one file (a local path, or an etils `epath` on object
-    storage); FormatError for anything malformed."""
-    try:
-        stat = path.stat()
-        size = stat.st_size if hasattr(stat, "st_size") else stat.length
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", head)
+    storage); FormatError for anything the reference loader (`safetensors`) refuses.
+
+    A local `path` must not be a symbolic link (resolve it first; see `open_regular`). The
+    rules are those of safetensors' Rust loader: the header is a JSON object (nested at most
+    127 deep, no NaN, no lone surrogates), `__metadata__` is absent, null or a string-to-string
+    object, each tensor has a known dtype, a shape of non-negative integers and two
+    data_offsets that follow one another without gap or overlap, cover the data exactly and
+    match dtype x shape. Stricter on one point: a key twice in one object is refused
+    (safetensors keeps the last), since two readers could then see two different tensors.
+    Error text never quotes the file's bytes: a file that is not safetensors leaks nothing.
+    """
+    with open_regular(path) as (f, size, file_id):
+        if size < 8:
+            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER or 8 + n > size:
-                raise FormatError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+                # n is not shown: for a file that is not safetensors, it is its first 8 bytes.
+                raise FormatError(
+                    f"{path}: its first 8 bytes give a header length that does not fit the file "
+                    f"({size} bytes) or passes the {MAX_HEADER // 10**6} MB limit: it is not a "
+                    "safetensors file, or it is truncated"
+                )
             raw = f.read(n)
-    except OSError as e:
-        raise FormatError(f"cannot read {path}: {e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(
-            f"{path}: the header is not valid JSON ({e}); the file is corrupt"
-        ) from None
+        except OSError as e:
+            raise FormatError(f"cannot read {path}: {e.strerror or type(e).__name__}") from None
+        if len(raw) != n:
+            raise FormatError(f"{path} became shorter while its header was read")
+    header = parse_json(raw, f"{path}: the header")
     if not isinstance(header, dict):
-        raise FormatError(f"{path}: the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise FormatError(f"{path}: __metadata__ must map strings to strings")
+        raise FormatError(
+            f"{path}: the header is not a JSON object; this is not a safetensors file"
+        )
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # null: safetensors reads it as no metadata
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError(
+            f"{path}: __metadata__ must be a JSON object mapping strings to strings (or be absent)"
+        )
+    entries = sorted(
+        ((name, _entry(path, name, value)) for name, value in header.items()),
+        key=lambda item: item[1][2:],  # by (begin, end), as safetensors does
+    )
     tensors, data_start, expected = {}, 8 + n, 0
-    for name, entry in sorted(header.items(), key=lambda kv: _offsets(path, kv)[0]):
-        begin, end = _offsets(path, (name, entry))
-        code, shape = entry.get("dtype"), entry.get("shape")
-        if code not in DTYPES or not isinstance(shape, list):
-            raise FormatError(f"{path}: tensor {name!r} has a bad dtype or shape: {entry!r}")
-        if begin != expected or end - begin != nbytes(DTYPES[code], shape):
-            raise FormatError(f"{path}: tensor {name!r} has offsets {begin}..{end} that do not fit")
+    for name, (dtype, shape, begin, end) in entries:
+        where = f"{path}: tensor {quote_name(name)}"
+        if begin != expected or end < begin:
+            raise FormatError(
+                f"{where} has data_offsets that overlap another tensor or leave a gap before it; "
+                "the file is corrupt"
+            )
+        elements = 1
+        for dim in shape:  # in order, overflowing as safetensors' 64-bit product does
+            elements *= dim
+            if elements > _U64:
+                raise FormatError(f"{where} has a shape whose element count overflows 64 bits")
+        if elements * dtype.itemsize * 8 > _U64:
+            raise FormatError(f"{where} has a shape whose size in bits overflows 64 bits")
+        if end - begin != elements * dtype.itemsize:
+            raise FormatError(
+                f"{where}: its data_offsets span {end - begin} bytes, but its dtype and shape "
+                f"need {elements * dtype.itemsize}; the file is corrupt"
+            )
         expected = end
         tensors[name] = TensorInfo(
-            name, DTYPES[code], tuple(shape), data_start + begin, data_start + end
+            name, dtype, tuple(shape), data_start + begin, data_start + end, file_id
         )
     if data_start + expected != size:
         raise FormatError(
@@ -279,26 +316,218 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, metadata
 
 
-def _offsets(path: Path, item: tuple[str, object]) -> tuple[int, int]:
-    name, entry = item
-    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+_U64 = 2**64 - 1
+_FIELDS = ("dtype", "shape", "data_offsets")
+# dtypes safetensors knows that jaxckpt does not load (named in errors: they are not corrupt).
+OTHER_DTYPES = ("F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64")
+
+
+def _entry(path: Path, name: str, value: object) -> tuple[np.dtype, list[int], int, int]:
+    """(dtype, shape, begin, end) of one header entry, its types checked. Values are never
+    quoted in errors (see `read_header`)."""
+    where = f"{path}: tensor {quote_name(name)}"
+    if not isinstance(value, dict) or any(k not in value for k in _FIELDS):
+        raise FormatError(
+            f"{where} is not a JSON object with dtype, shape and data_offsets; the file is corrupt"
+        )
+    code, shape, offsets = (value[k] for k in _FIELDS)
+    if not isinstance(code, str) or code not in DTYPES:
+        if isinstance(code, str) and code in OTHER_DTYPES:
+            raise UnsupportedValueError(
+                f"{where} has dtype {code}: valid safetensors, but jaxckpt reads only "
+                f"{', '.join(DTYPES)}; convert the tensor (e.g. with torch) first"
+            )
+        raise FormatError(f"{where} has an unknown dtype (jaxckpt reads {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise FormatError(f"{where}: shape must be a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_u64, offsets))):
+        raise FormatError(f"{where}: data_offsets must be two non-negative integers [begin, end]")
+    return DTYPES[code], shape, offsets[0], offsets[1]
+
+
+def _is_u64(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _U64  # not bool, not 4.0
+
+
+def quote_name(name: str, limit: int = 80) -> str:
+    """A name from a file, for an error: quoted, control characters escaped (no terminal
+    escapes), at most `limit` characters of it."""
+    return repr(name if len(name) <= limit else name[:limit] + "...")
+
+
+# ---------------------------------------------------------------------------------- strict JSON
+
+MAX_JSON_DEPTH = 127  # arrays and objects nested deeper: safetensors (serde_json) refuses them
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _Refused(Exception):
+    """A JSON rule broken inside `json.loads` (raised by its hooks)."""
+
+
+def parse_json(raw: bytes, what: str) -> object:
+    """`raw` as JSON, by the rules of safetensors' parser: UTF-8 (no BOM), no NaN or
+    Infinity, numbers within the float range, strings without lone surrogates, nesting at
+    most `MAX_JSON_DEPTH` deep; stricter: a key twice in one object is refused. FormatError
+    ("{what} is not valid JSON: ...") otherwise, never quoting the bytes."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{what} is not valid JSON: not UTF-8 (at byte {e.start})") from None
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_int=_int,
+            parse_float=_float,
+            parse_constant=_constant,
+        )
+        _check_tree(value)
+    except json.JSONDecodeError as e:  # e.msg is the parser's own words, no file text
+        raise FormatError(
+            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except _Refused as e:
+        raise FormatError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise FormatError(
+            f"{what} is not valid JSON: nested more than {MAX_JSON_DEPTH} deep"
+        ) from None
+    except ValueError:  # any other refusal of Python's parser
+        raise FormatError(f"{what} is not valid JSON") from None
+    return value
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _Refused(f"the key {quote_name(key)} appears twice in one object")
+        obj[key] = value
+    return obj
+
+
+def _int(text: str) -> int | float:
+    if text == "-0":
+        return -0.0  # serde_json reads -0 as a float: no shape or offset
+    if len(text) > 400:  # past the float range; and int() of 4300+ digits raises
+        raise _Refused("a number is out of range")
+    value = int(text)
+    if abs(value) > _U64:  # serde_json reads it as a float, refused past the float range
+        try:
+            float(value)
+        except OverflowError:
+            raise _Refused("a number is out of range") from None
+    return value
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Refused("a number is out of range")
+    return value
+
+
+def _constant(text: str) -> float:
+    raise _Refused(f"{text} is not a JSON value")  # one of NaN, Infinity, -Infinity
+
+
+def _check_tree(value: object) -> None:
+    """Nesting depth and lone surrogates, walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise _Refused(f"nested more than {MAX_JSON_DEPTH} deep")
+            if isinstance(item, dict):
+                for key in item:
+                    if _SURROGATE.search(key):
+                        raise _Refused("a string holds a lone UTF-16 surrogate")
+                item = item.values()
+            stack.extend((child, depth + 1) for child in item)
+        elif isinstance(item, str) and _SURROGATE.search(item):
+            raise _Refused("a string holds a lone UTF-16 surrogate")
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | None]]:
+    """Opens `path` to read, if it is a regular file: yields (file, size, (device, inode)).
+
+    Every read of a local file goes through here. The last component must not be a symbolic
+    link: callers resolve the path and check where it leads first, and O_NOFOLLOW refuses a
+    link put in its place since. O_NONBLOCK keeps the open of a FIFO from waiting for a
+    writer; `fstat` of the open descriptor then refuses whatever is not a regular file
+    (FIFO, device, directory, socket). On object storage (no links, no FIFOs) it yields
+    (file, size, None).
+    """
+    if is_remote(path):
+        try:
+            stat = path.stat()
+            f = path.open("rb")
+        except OSError as e:
+            raise FormatError(f"cannot read {path}: {e}") from None
+        with f:
+            yield f, stat.st_size if hasattr(stat, "st_size") else stat.length, None
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FormatError(
+                f"{path} is a symbolic link; jaxckpt opens only the file a link resolves to, "
+                "after checking where it leads"
+            ) from None
+        raise FormatError(f"cannot open {path}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name
+        raise FormatError(f"cannot open {path!r}: the name holds a NUL character") from None
+    try:
+        info = os.fstat(fd)
+        if not stat_module.S_ISREG(info.st_mode):
+            raise FormatError(
+                f"{path} is {_kind(info.st_mode)}, not a regular file; safetensors are read only "
+                "from regular files"
+            )
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f, info.st_size, (info.st_dev, info.st_ino)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat_module.S_ISFIFO, "a FIFO"),
+        (stat_module.S_ISCHR, "a character device"),
+        (stat_module.S_ISBLK, "a block device"),
+        (stat_module.S_ISDIR, "a directory"),
+        (stat_module.S_ISSOCK, "a socket"),
     ):
-        raise FormatError(f"{path}: tensor {name!r} has no valid data_offsets: {entry!r}")
-    return offsets[0], offsets[1]
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
-    """Reads `info[index]`: locally through a memory map (only the pages holding the slice),
-    on object storage (`gs://`) as one ranged read of the rows the slice spans."""
-    if not is_remote(path):
-        whole = np.memmap(path, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
-        return np.array(whole[index])
-    shape, itemsize = info.shape, np.dtype(info.dtype).itemsize
-    first, last = index[0].indices(shape[0])[:2] if shape else (0, 1)
-    row_bytes = math.prod(shape[1:]) * itemsize
-    with path.open("rb") as f:
+    """Reads `info[index]`: locally through a memory map (only the pages holding the slice)
+    of the file `open_regular` opened, on object storage (`gs://`) as one ranged read of the
+    rows the slice spans."""
+    with open_regular(path) as (f, size, file_id):
+        if (info.file_id is not None and file_id != info.file_id) or size < info.end:
+            raise FormatError(
+                f"{path} was replaced or truncated after its header was read; load it again"
+            )
+        if not is_remote(path):
+            whole = np.memmap(f, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
+            return np.array(whole[index])
+        shape, itemsize = info.shape, np.dtype(info.dtype).itemsize
+        first, last = index[0].indices(shape[0])[:2] if shape else (0, 1)
+        row_bytes = math.prod(shape[1:]) * itemsize
         f.seek(info.begin + first * row_bytes)
         raw = f.read((last - first) * row_bytes)
     rows = np.frombuffer(raw, info.dtype).reshape((last - first, *shape[1:]) if shape else ())
