@@ -5,6 +5,13 @@ One process: a handler for the policy's signals (SIGTERM by default) sets a flag
 service (`multihost_utils.reached_preemption_sync_point`), which agrees on the first step
 that every process can still reach; other signals and the `check` callback are OR-ed over
 all processes at each call, so every process sees the notice at the same step.
+
+Only the first signal is a notice. Any later one of the policy's signals is handled as it was
+before jaxckpt caught it, so a second SIGTERM ends the process (SIGTERM's default action), also
+while the main thread is blocked in a long `restore()` or `wait()`: they block in waits that
+run Python's signal handlers (lock waits, the asyncio loop, tensorstore futures). SIGINT is
+never caught unless it is one of the policy's signals: Ctrl-C raises KeyboardInterrupt as
+always, before or after a notice.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ class PreemptionPolicy:
     Attributes:
       enabled: whether a notice makes `should_save` true (and `preempted` set).
       signals: signals that mean "about to be preempted". With several processes, SIGTERM is
-        handled by JAX's preemption service (`jax.distributed` installs it).
+        handled by JAX's preemption service (`jax.distributed` installs it). Only the first
+        is a notice: a later one is handled as before jaxckpt caught it (a second SIGTERM
+        ends the process, even while `restore` or `wait` blocks).
       check: called at every `should_save`; True means a notice arrived (e.g. a poll of the
         cloud's maintenance-event endpoint). With several processes it costs a small
         collective per call.
@@ -69,8 +78,27 @@ class PreemptionWatcher:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if self._noticed.is_set():
+            self._escalate(signum, frame)
+            return
         log.warning("preemption notice: signal %s; the next should_save() is true", signum)
         self._noticed.set()
+
+    def _escalate(self, signum, frame) -> None:
+        """A signal after the notice: what it did before jaxckpt caught it (the default
+        action for SIGTERM: the process dies by the signal; KeyboardInterrupt for SIGINT)."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        log.warning(
+            "signal %s after the preemption notice: handled as before jaxckpt caught it", signum
+        )
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):  # a Python handler, e.g. SIGINT's default_int_handler
+            previous(signum, frame)
+            return
+        # SIG_DFL, or None: a handler set outside Python, which Python cannot call.
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # SIGTERM's default action ends the process here
 
     def reached(self, step: int) -> bool:
         """True once: at the step every process saves for a preemption. Call at every step."""

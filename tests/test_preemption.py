@@ -1,7 +1,12 @@
 """A preemption notice makes should_save true at one step that every process agrees on."""
 
 import os
+import queue
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import numpy as np
@@ -9,6 +14,7 @@ import pytest
 from multihost import run_job
 
 import jaxckpt
+from conftest import REPO, WRITES_DONE_EVENT
 from jaxckpt import errors
 
 
@@ -40,6 +46,133 @@ def test_disabled_preemption_leaves_signals_alone(ckpt_dir):
     with jaxckpt.CheckpointManager(ckpt_dir, preemption=policy) as m:
         assert signal.getsignal(signal.SIGTERM) is before
         assert not m.should_save(1) and not m.preempted
+
+
+def test_a_second_signal_is_handled_as_before_the_manager_caught_it(ckpt_dir):
+    # SIGINT's handler before the manager is Python's own: KeyboardInterrupt.
+    policy = jaxckpt.PreemptionPolicy(signals=(signal.SIGINT,))
+    with jaxckpt.CheckpointManager(ckpt_dir, preemption=policy) as m:
+        signal.raise_signal(signal.SIGINT)  # the notice: only a flag
+        assert m.should_save(1) and m.preempted
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_second_signal_that_was_ignored_stays_ignored(ckpt_dir):
+    before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        policy = jaxckpt.PreemptionPolicy(signals=(signal.SIGUSR2,))
+        with jaxckpt.CheckpointManager(ckpt_dir, preemption=policy) as m:
+            signal.raise_signal(signal.SIGUSR2)
+            signal.raise_signal(signal.SIGUSR2)
+            assert m.should_save(1)
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+# A child blocked for good in a real restore (of 16 MiB, over and over) or wait (its writer
+# frozen at Orbax's write-done event); it echoes jaxckpt's log records and its markers to
+# stdout, written with os.write: atomic lines, safe from a signal handler and from two threads.
+BLOCKED = textwrap.dedent(
+    """
+    import logging, os, sys, threading
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    import jaxckpt
+
+    def echo(text):
+        os.write(1, (text + "\\n").encode())
+
+    class Echo(logging.Handler):
+        def emit(self, record):
+            echo(record.getMessage())
+
+    logging.getLogger("jaxckpt").addHandler(Echo())
+    directory, blocked_in, writes_done = sys.argv[1:]
+    x = np.arange(4 * 2**20, dtype=np.float32)
+    m = jaxckpt.CheckpointManager(directory)
+    if blocked_in == "restore":
+        m.save(1, state={"x": x})
+        m.wait()
+        echo("BLOCKED")
+        while True:
+            m.restore(state={"x": np.zeros_like(x)})
+    else:
+        def freeze(event, duration, **kwargs):
+            if event == writes_done:  # in Orbax's background thread: it never goes on
+                echo("BLOCKED")
+                threading.Event().wait()
+
+        jax.monitoring.register_event_duration_secs_listener(freeze)
+        m.save(1, state={"x": x})
+        echo("WAITING")
+        m.wait()
+    """
+)
+
+
+def _expect(lines: queue.Queue, proc: subprocess.Popen, timeout: float, *texts: str) -> None:
+    """Reads the child's stdout lines until each of `texts` was in one (bounded)."""
+    deadline = time.monotonic() + timeout
+    missing, seen = set(texts), []
+    while missing:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(
+                f"no {sorted(missing)} from the child within {timeout} s (exit {proc.poll()}); "
+                f"it wrote {seen}"
+            ) from None
+        if line is None:
+            raise AssertionError(f"the child exited {proc.wait()} before {sorted(missing)}: {seen}")
+        seen.append(line.rstrip())
+        missing = {text for text in missing if text not in line}
+
+
+@pytest.mark.parametrize(
+    ("blocked_in", "second"),
+    [("restore", signal.SIGTERM), ("wait", signal.SIGTERM), ("restore", signal.SIGINT)],
+)
+def test_a_second_signal_ends_a_process_blocked_in_restore_or_wait(tmp_path, blocked_in, second):
+    """The first SIGTERM is only a notice; a second one (or Ctrl-C) ends the process with
+    the signal's own default action, though the main thread never leaves restore/wait."""
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BLOCKED, str(tmp_path / "ckpt"), blocked_in, WRITES_DONE_EVENT],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        lines: queue.Queue = queue.Queue()
+
+        def read():
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            # Start-up and a 16 MiB save; in the "wait" child, the main thread enters wait().
+            ready = ["BLOCKED", "WAITING"] if blocked_in == "wait" else ["BLOCKED"]
+            _expect(lines, proc, 120, *ready)
+            proc.send_signal(signal.SIGTERM)
+            _expect(lines, proc, 60, "preemption notice")  # handled in restore/wait
+            assert proc.poll() is None  # the notice did not end it
+            proc.send_signal(second)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{second!r} after the notice did not end the child") from None
+            stderr.seek(0)
+            assert code == -second, stderr.read()[-4000:]
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_bad_policy():
