@@ -19,10 +19,12 @@ when every item is written, so a step directory exists only once committed):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -30,15 +32,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.errors import NoCheckpointError, StepNotFoundError
+from jaxckpt.errors import (
+    CorruptCheckpointError,
+    JaxckptError,
+    NoCheckpointError,
+    RestoreError,
+    StepNotFoundError,
+)
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import is_remote
-from jaxckpt.tree import ReadRequest
+from jaxckpt.storage import is_remote, open_inside
+from jaxckpt.tree import LeafSpec, ReadRequest
 
 log = logging.getLogger("jaxckpt")
 
 STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"
+FORMAT_VERSION = 1  # of jaxckpt.json
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
 REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
 # Retention deletes in the background. On local disk the step folder is first renamed to
@@ -49,6 +58,14 @@ TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
 # OCDBT packs a process's writes into data files of about this size, written in parallel;
 # without a target it writes one file at a time (2-3x slower, BENCHMARKS.md).
 DATA_FILE_BYTES = 128 * 2**20
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name stands for: ASCII digits in canonical form (`12`, never `012`,
+    `²` or `①`), which is how jaxckpt names step folders; None for any other name."""
+    if not (name.isascii() and name.isdigit()) or (name != "0" and name.startswith("0")):
+        return None
+    return int(name)
 
 
 class _DataStateHandler(ocp.CheckpointHandler):
@@ -126,6 +143,12 @@ class OrbaxStore:
             async_options=ocp.AsyncOptions(
                 timeout_secs=timeout_s,
                 post_finalization_callback=None if read_only else self._on_finalized,
+                # The step's folders are made in save() itself. Made in the background,
+                # each of Orbax's (non-daemon) writer threads waits for a "created" signal
+                # for Orbax's own 300 s, not timeout_s, and a failed creation never sends
+                # it: a process could not exit for five minutes after a failed save (or a
+                # Ctrl-C inside one). Such a failure is now raised by save() at once.
+                create_directories_asynchronously=False,
             ),
         )
         self._mngr = ocp.CheckpointManager(
@@ -148,12 +171,16 @@ class OrbaxStore:
 
     def committed_steps(self) -> list[int]:
         """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
+        if not self.directory.exists():  # removed under a reader
+            return []
         self._mngr.reload()  # re-read the directory: another process may have written
         hidden = self._tombstoned()
         return sorted(
             s
             for s in self._mngr.all_steps()
-            if s not in hidden and (self.step_dir(s) / INFO / INFO_FILE).exists()
+            if s not in hidden
+            and (self.step_dir(s) / INFO / INFO_FILE).exists()
+            and not (not is_remote(self.directory) and os.path.islink(self.step_dir(s)))
         )
 
     def resolve(self, step: int | None) -> int:
@@ -217,9 +244,9 @@ class OrbaxStore:
         if is_remote(self.directory):
             hidden |= set(self.uncommitted_steps())
         return {
-            int(p.name): p
+            step: p
             for p in self.directory.iterdir()
-            if p.name.isdigit() and int(p.name) not in hidden and p.is_dir()
+            if (step := step_of(p.name)) is not None and step not in hidden and p.is_dir()
         }
 
     def uncommitted_steps(self) -> list[int]:
@@ -229,7 +256,7 @@ class OrbaxStore:
         if not self.directory.exists():
             return []
         names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
-        return sorted(int(n) for n in names if n.isdigit())
+        return sorted(step for n in names if (step := step_of(n)) is not None)
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
@@ -240,9 +267,20 @@ class OrbaxStore:
         self._mngr._checkpointer.wait_until_finished()
 
     def read_info(self, step: int) -> dict[str, Any]:
-        """The step's jaxckpt.json: read as the plain JSON file Orbax's JsonCheckpointHandler
-        wrote, which costs no Orbax restore (and no barrier between processes)."""
-        return json.loads((self.step_dir(step) / INFO / INFO_FILE).read_text())
+        """The step's jaxckpt.json, every field checked: CorruptCheckpointError naming the
+        first one that is not what jaxckpt writes (FileNotFoundError if there is none). Read
+        as the plain JSON file Orbax's JsonCheckpointHandler wrote, which costs no Orbax
+        restore (and no barrier between processes)."""
+        try:
+            with open_inside(self.step_dir(step), f"{INFO}/{INFO_FILE}") as f:
+                return _check_info(json.loads(f.read()))
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, RecursionError) as e:
+            problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CorruptCheckpointError(
+                step, [f"{INFO}/{INFO_FILE} is unreadable: {problem}"], str(self.directory)
+            ) from None
 
     def read_arrays(
         self, step: int, item: str, requests: Mapping[str, ReadRequest]
@@ -260,11 +298,16 @@ class OrbaxStore:
                 # read only the requested leaves, never the rest of the step
                 partial_restore=True,
             )
-            out.update(self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item])
+            with _read_errors(step, item, self.directory):
+                got = self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+            for name in batch:
+                _check_read(step, item, name, got.get(name), to_read[name], self.directory)
+            out.update(got)
         return out
 
     def read_data_state(self, step: int) -> str:
-        return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
+        with _read_errors(step, DATA, self.directory):
+            return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
@@ -296,12 +339,77 @@ class OrbaxStore:
             p.name.removesuffix(TOMBSTONE_SUFFIX)
             for p in self.directory.glob(f"*{TOMBSTONE_SUFFIX}")
         )
-        return {int(n) for n in names if n.isdigit()}
+        return {step for n in names if (step := step_of(n)) is not None}
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""
         if _remove(self.step_dir(step)):
             _remove(self.directory / f"{step}{TOMBSTONE_SUFFIX}")
+
+
+def _check_info(doc: Any) -> dict[str, Any]:
+    """A jaxckpt.json document, checked field by field (ValueError naming the field)."""
+    if not isinstance(doc, dict):
+        raise ValueError("it is not a JSON object")
+    version = doc.get("format")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError("'format' is not a format version")
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"it has format {version}, written by a newer jaxckpt (this one reads format "
+            f"{FORMAT_VERSION}); upgrade jaxckpt to read it"
+        )
+    items = doc.get("items")
+    if not isinstance(items, dict):
+        raise ValueError("'items' is not an object")
+    for item in (STATE, RNG):
+        specs = items.get(item)
+        if not isinstance(specs, list):
+            raise ValueError(f"'items.{item}' is not a list of leaves")
+        for spec in specs:
+            try:
+                LeafSpec.from_json(spec)
+            except ValueError as e:
+                raise ValueError(f"'items.{item}': {e}") from None
+    if doc.get("data") not in (None, "json", "bytes"):
+        raise ValueError('\'data\' is not null, "json" or "bytes"')
+    for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
+        if doc.get(key) is not None and not isinstance(doc[key], kind):
+            raise ValueError(f"{key!r} is not a {kind.__name__}")
+    return doc
+
+
+@contextlib.contextmanager
+def _read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
+    """Orbax's and tensorstore's errors while reading a step, as one RestoreError."""
+    try:
+        yield
+    except JaxckptError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise RestoreError(
+            f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: {first}"
+        ) from e
+
+
+def _check_read(
+    step: int, item: str, name: str, value: Any, request: ReadRequest, directory: epath.Path
+) -> None:
+    """A leaf read must be what jaxckpt.json records (Orbax hands back the request itself
+    for a leaf the arrays lack, and a host array in its stored shape)."""
+    if isinstance(value, np.ndarray | jax.Array) and value.shape == request.shape:
+        return
+    found = (
+        f"stored with shape {value.shape}"
+        if isinstance(value, np.ndarray | jax.Array)
+        else "not among the stored arrays"
+    )
+    raise CorruptCheckpointError(
+        step,
+        [f"{item} leaf {name!r} is {found}, but {INFO}/{INFO_FILE} records shape {request.shape}"],
+        str(directory),
+    )
 
 
 def _registry() -> ocp.type_handlers.TypeHandlerRegistry:

@@ -24,11 +24,11 @@ class NoCheckpointError(JaxckptError, FileNotFoundError):
 class StepNotFoundError(JaxckptError, KeyError):
     """The requested step is not a committed checkpoint in the directory."""
 
-    def __init__(self, step: int, available: Sequence[int], directory: str):
+    def __init__(self, step: int, available: Sequence[int], directory: str, *, why: str = ""):
         self.step = step
         self.available = list(available)
         super().__init__(
-            f"step {step} is not a committed checkpoint in {directory}; "
+            f"step {step} is not a committed checkpoint in {directory}{why}; "
             f"available steps: {_steps(self.available)}. "
             "Pass one of them, or step=None for the latest."
         )
@@ -79,6 +79,11 @@ class CorruptCheckpointError(JaxckptError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class RestoreError(JaxckptError, RuntimeError):
+    """Reading a step's arrays failed for a reason other than a mismatch jaxckpt checks
+    first (an I/O error, a storage error); the message carries Orbax's first line."""
 
 
 class LockedError(JaxckptError, BlockingIOError):

@@ -127,6 +127,8 @@ def export_safetensors(
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
     try:
         step = store.resolve(step)
+        if unsafe := integrity.unsafe_entries(store.step_dir(step)):  # before any read
+            raise CorruptCheckpointError(step, unsafe, str(store.directory))
         # The files are hashed in a worker thread while the tensors are written to a
         # temporary directory, which is published only if they match: corrupt weights are
         # never shipped.

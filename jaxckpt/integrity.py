@@ -14,10 +14,12 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import xxhash
 from etils import epath
+
+from jaxckpt.storage import is_remote, open_inside
 
 MANIFEST_DIR = "jaxckpt"
 MANIFEST_FILE = "manifest.json"
@@ -40,22 +42,53 @@ class StepReport:
         return not self.problems
 
 
-def _files(root: epath.Path) -> Iterator[str]:
-    """Relative paths of every file below `root` (the manifest and Orbax's commit files
-    excluded)."""
-    stack = [root]
+def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
+    """The relative paths of every regular file below `root` (the manifest and Orbax's
+    commit files excluded), and what else is there that jaxckpt never reads: symbolic links
+    (which could lead out of the directory) and special files (a FIFO blocks a reader)."""
+    if is_remote(root):  # object storage: no links, no special files
+        files, stack = [], [root]
+        while stack:
+            for path in sorted(stack.pop().iterdir()):
+                if path.is_dir():
+                    stack.append(path)
+                else:
+                    files.append(str(path.relative_to(root)))
+        return [f for f in files if _hashed(f)], []
+    files, odd, stack = [], [], [""]
     while stack:
-        for path in sorted(stack.pop().iterdir()):
-            rel = str(path.relative_to(root))
-            if path.is_dir():
-                stack.append(path)
-            elif rel not in _ORBAX_COMMIT_FILES and rel != f"{MANIFEST_DIR}/{MANIFEST_FILE}":
-                yield rel
+        folder = stack.pop()
+        with os.scandir(os.path.join(root, folder)) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                rel = f"{folder}/{entry.name}" if folder else entry.name
+                if entry.is_symlink():
+                    odd.append(f"{rel}: a symbolic link (jaxckpt reads nothing through a link)")
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                elif entry.is_file(follow_symlinks=False):
+                    files.append(rel)
+                else:
+                    odd.append(f"{rel}: not a regular file (a FIFO, socket or device)")
+    return [f for f in files if _hashed(f)], odd
 
 
-def _digest(path: epath.Path) -> tuple[int, str]:
+def _hashed(rel: str) -> bool:
+    return rel not in _ORBAX_COMMIT_FILES and rel != f"{MANIFEST_DIR}/{MANIFEST_FILE}"
+
+
+def unsafe_entries(step_dir: epath.Path) -> list[str]:
+    """The links and special files in a local step folder (the folder itself a link too),
+    which a reader must refuse before Orbax or tensorstore opens anything there."""
+    if is_remote(step_dir):
+        return []
+    if os.path.islink(step_dir):
+        return [f"{step_dir.name}: the step folder is a symbolic link"]
+    return _listing(step_dir)[1]
+
+
+def _digest(root: epath.Path, rel: str) -> tuple[int, str]:
     h, size = xxhash.xxh3_128(), 0
-    with path.open("rb") as f:
+    with open_inside(root, rel) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)  # releases the GIL: hashing does not stall the training thread
             size += len(chunk)
@@ -68,9 +101,11 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def write_manifest(step_dir: epath.Path) -> None:
-    rels = list(_files(step_dir))
+    rels, odd = _listing(step_dir)
+    if odd:  # never written by Orbax: something else wrote into the step being saved
+        raise OSError(f"{step_dir} holds what no save writes: {'; '.join(odd)}")
     with _pool() as pool:
-        digests = list(pool.map(lambda rel: _digest(step_dir / rel), rels))
+        digests = list(pool.map(lambda rel: _digest(step_dir, rel), rels))
     files = {
         rel: {"size": size, HASH: digest} for rel, (size, digest) in zip(rels, digests, strict=True)
     }
@@ -94,34 +129,29 @@ def verify_step(
     `share=(i, n)` checks only every n-th listed file starting at i, so that n processes
     verify a step together, each reading a part of it. `progress` is called after each file.
     """
-    manifest_path = step_dir / MANIFEST_DIR / MANIFEST_FILE
     try:
-        listed = json.loads(manifest_path.read_text())["files"]
-        if not isinstance(listed, dict):
-            raise TypeError("'files' is not an object")
+        listed = _manifest(step_dir)
     except FileNotFoundError:
         return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is missing",))
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is unreadable: {e}",))
     problems, total = [], 0
-    present = set(_files(step_dir))
+    files, odd = _listing(step_dir)
+    present = set(files)
     mine = sorted(listed.items())[share[0] :: share[1]]
-    to_check = sum(e.get("size", 0) for _, e in mine if isinstance(e, dict))
+    to_check = sum(e["size"] for _, e in mine)
 
     def check(item: tuple[str, dict]) -> tuple[int, str | None]:
         rel, expected = item
         if rel not in present:
             return 0, f"{rel}: missing"
         try:
-            size, digest = _digest(step_dir / rel)
+            size, digest = _digest(step_dir, rel)
         except OSError as e:
-            return 0, f"{rel}: unreadable ({e})"
-        if size != expected.get("size"):
-            return (
-                size,
-                f"{rel}: {size} bytes, {expected.get('size')} expected (truncated or grown)",
-            )
-        if digest != expected.get(HASH):
+            return 0, f"{rel}: unreadable ({e.strerror or e})"
+        if size != expected["size"]:
+            return size, f"{rel}: {size} bytes, {expected['size']} expected (truncated or grown)"
+        if digest != expected[HASH]:
             return size, f"{rel}: contents changed (checksum mismatch)"
         return size, None
 
@@ -135,8 +165,31 @@ def verify_step(
     if progress is not None:
         progress(step, to_check, to_check)
     if share[0] == 0:
+        problems += odd
         problems += [f"{rel}: not in the manifest" for rel in sorted(present - set(listed))]
     return StepReport(step, len(listed), total, tuple(problems))
+
+
+def _manifest(step_dir: epath.Path) -> dict[str, dict]:
+    """The manifest's `files`, each entry checked: ValueError naming the first bad field."""
+    with open_inside(step_dir, f"{MANIFEST_DIR}/{MANIFEST_FILE}") as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError("'files' is not an object")
+    for rel, entry in files.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"files[{rel!r}] is not an object")
+        size = entry.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"files[{rel!r}].size is not a byte count")
+        if not isinstance(entry.get(HASH), str):
+            raise ValueError(f"files[{rel!r}].{HASH} is not a hex digest")
+    return files
 
 
 def verify(
@@ -170,8 +223,13 @@ def verify(
 
 def damage(step_dir: epath.Path) -> str | None:
     """Why a step folder that is not a committed jaxckpt step looks like a damaged one."""
-    if not any(step_dir.iterdir()):
-        return "empty step directory"
+    if not is_remote(step_dir) and os.path.islink(step_dir):
+        return "the step folder is a symbolic link, which jaxckpt never follows"
+    try:
+        if not any(step_dir.iterdir()):
+            return "empty step directory"
+    except (FileNotFoundError, NotADirectoryError):  # deleted since it was listed
+        return None
     if (step_dir / MANIFEST_DIR).exists():
         return f"{MANIFEST_DIR}/jaxckpt.json is missing: the step's metadata is gone"
     return None

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -50,19 +51,42 @@ def writer_lock(directory: str | os.PathLike, lease_s: float) -> WriterLock | Ob
 
 
 class WriterLock:
+    """The lock on local disk (see the module's docstring).
+
+    The lock file is opened without following a symlink and must be a regular file with
+    one link, so a lock path planted as a link to another file never makes jaxckpt write
+    there. A lock path deleted or replaced under a live writer (`rm` of the file or of the
+    whole directory) would let a second writer lock a new file: `check` compares the path
+    with the locked inode before each save and each commit, and a writer that lost it
+    raises `LockedError` from then on.
+    """
+
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / LOCK_FILE
         self._fd: int | None = None
+        self._lost: str | None = None
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise _not_a_lock_file(
+                self.path, f"it cannot be opened without following links ({e.strerror})"
+            ) from None
+        what = os.fstat(fd)
+        if not stat.S_ISREG(what.st_mode) or what.st_nlink != 1:
+            os.close(fd)
+            raise _not_a_lock_file(self.path, _kind(what))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _describe(os.pread(fd, 4096, 0))
             os.close(fd)
             raise _refused(self.path.parent, holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
         previous = os.pread(fd, 4096, 0)
         if previous.strip():
             log.warning("taking over the writer lock of %s, which is gone", _describe(previous))
@@ -76,11 +100,26 @@ class WriterLock:
         self._fd = fd
 
     def check(self, *, confirm: bool = False) -> None:
-        """A kernel lock is held until released: nothing to check."""
+        """Raises `LockedError` once the lock path no longer names the locked file."""
+        if self._lost is None and self._fd is not None:
+            held = os.fstat(self._fd)
+            try:
+                now = os.lstat(self.path)
+                if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                    self._lost = f"{self.path} was replaced by another file"
+            except OSError as e:
+                self._lost = f"{self.path} was removed ({e.strerror})"
+        if self._lost is not None:
+            raise LockedError(
+                f"this job lost the writer lock on {self.path.parent}: {self._lost} while it "
+                "held it, so another job may be writing there now. It writes nothing more "
+                "there; stop one of the two jobs, check the directory, then start one writer."
+            )
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # a clean release leaves no holder behind
+            if self._lost is None:
+                os.ftruncate(self._fd, 0)  # a clean release leaves no holder behind
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -248,6 +287,23 @@ def _refused(directory: Any, holder: str) -> LockedError:
         f"{directory} is being written by {holder}; one writer per directory. Stop that job "
         "first, or open this one with read_only=True to restore."
     )
+
+
+def _not_a_lock_file(path: Path, what: str) -> LockedError:
+    return LockedError(
+        f"{path} is not a lock file jaxckpt can use: {what}. jaxckpt never writes through "
+        "a link; remove it (rm, not rm -r) if nothing else needs it, then start again."
+    )
+
+
+def _kind(st: os.stat_result) -> str:
+    if stat.S_ISREG(st.st_mode):
+        return f"a regular file with {st.st_nlink} hard links (one of them elsewhere)"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    return "a special file"
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

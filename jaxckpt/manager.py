@@ -37,6 +37,7 @@ from jaxckpt.errors import (
     CorruptCheckpointError,
     DataStateError,
     NoCheckpointError,
+    RestoreError,
     SaveError,
     StepExistsError,
     StepNotFoundError,
@@ -49,8 +50,6 @@ from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
 
 log = logging.getLogger("jaxckpt")
-
-FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +250,7 @@ class CheckpointManager:
             )
         with _gc_paused():
             info = {
-                "format": FORMAT_VERSION,
+                "format": _orbax.FORMAT_VERSION,
                 "step": step,
                 "saved_at": datetime.datetime.now(datetime.UTC).isoformat(),
                 "versions": {"jax": jax.__version__},
@@ -332,18 +331,42 @@ class CheckpointManager:
           fallback: with `step=None`, move to older steps while the newest does not verify.
         """
         self._check_open()
+        for _ in range(3):  # the step chosen was deleted meanwhile: choose again
+            try:
+                return self._restore_newest(step, state, rng, data, partial, fallback)
+            except _Deleted as e:
+                if step is not None:
+                    raise self._deleted(e.step) from e.__cause__
+                log.warning("restore: step %d was deleted while it was read; again", e.step)
+        raise NoCheckpointError(
+            f"the latest committed step in {self.directory} was deleted three times while it "
+            "was read: another job's retention keeps deleting steps. Restore a step that "
+            "job keeps (step=...), or stop it first."
+        )
+
+    def _restore_newest(self, step, state, rng, data, partial, fallback) -> Restored:
         skipped = []
         for candidate in self._candidates(step, fallback):
             try:
                 with _gc_paused():
                     return self._restore_verified(candidate, state, rng, data, partial)
-            except CorruptCheckpointError as e:
-                if not fallback or step is not None:
+            except Exception as e:
+                if candidate not in self._store.committed_steps():
+                    raise _Deleted(candidate) from e
+                if not isinstance(e, CorruptCheckpointError) or not fallback or step is not None:
                     raise
                 log.warning("restore: skipping step %d: %s", candidate, "; ".join(e.problems))
                 skipped.append(f"step {candidate}: {'; '.join(e.problems)}")
         raise NoCheckpointError(
             f"no committed step in {self.directory} verifies: {' | '.join(skipped)}"
+        )
+
+    def _deleted(self, step: int) -> StepNotFoundError:
+        return StepNotFoundError(
+            step,
+            self._store.committed_steps(),
+            str(self.directory),
+            why=" (it was deleted while it was read: retention in the job writing there?)",
         )
 
     def _candidates(self, step: int | None, fallback: bool) -> list[int]:
@@ -381,6 +404,8 @@ class CheckpointManager:
         agree on the verdict (a collective), then read, so no process reads a corrupt step
         that another refuses.
         """
+        # Before Orbax or tensorstore opens anything: a link could lead out of the directory.
+        self._check(step, integrity.unsafe_entries(self._store.step_dir(step)))
         if self._verify and jax.process_count() > 1:
             self._check(step, self._verify_share(step))
         if self._verify and jax.process_count() == 1:
@@ -416,16 +441,14 @@ class CheckpointManager:
             raise CorruptCheckpointError(step, problems, str(self.directory))
 
     def _read_info(self, step: int) -> dict:
-        """The step's jaxckpt metadata."""
+        """The step's jaxckpt metadata, checked (CorruptCheckpointError if damaged)."""
         try:
-            info = self._store.read_info(step)
-            info["items"][_orbax.STATE]  # every step has these keys: fail here if not
-            return info
-        except Exception as e:
+            return self._store.read_info(step)
+        except FileNotFoundError:
+            if step not in self._store.committed_steps():
+                raise self._deleted(step) from None
             raise CorruptCheckpointError(
-                step,
-                [f"jaxckpt/jaxckpt.json is unreadable: {type(e).__name__}: {e}"],
-                str(self.directory),
+                step, [f"{_orbax.INFO}/{_orbax.INFO_FILE} is missing"], str(self.directory)
             ) from None
 
     def _restore_step(self, step, info, state, rng, partial) -> Restored:
@@ -481,11 +504,14 @@ class CheckpointManager:
         """Waits for the save in flight, turns its failure into SaveError, applies retention."""
         if self._in_flight is None:
             return
-        step, self._in_flight = self._in_flight, None
+        step = self._in_flight
         try:
             self._store.wait()
         except Exception as e:
+            self._in_flight = None
             raise self._save_error(step, e, background=True) from e
+        # (an interrupt in the wait keeps the save in flight: close() still waits for it)
+        self._in_flight = None
         if self._retention.keep_last is None:
             return  # keeps everything: no need to list the directory
         for old in self._retention.steps_to_delete(self._store.committed_steps()):
@@ -506,13 +532,20 @@ class CheckpointManager:
         return SaveError(step, error, committed, background=background, missing=missing)
 
     def _before_commit(self, step_dir: epath.Path) -> None:
-        if self._lock is not None:
-            self._lock.check(confirm=True)  # a writer that lost its lease never commits
         integrity.write_manifest(step_dir)
+        if self._lock is not None:  # last: a writer that lost its lock or lease never commits
+            self._lock.check(confirm=True)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+
+
+class _Deleted(Exception):
+    """The step being restored was deleted meanwhile (by the writer's retention)."""
+
+    def __init__(self, step: int):
+        self.step = step
 
 
 def _missing_processes(error: BaseException) -> list[int]:
@@ -588,9 +621,26 @@ def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxSto
         )
     try:
         text = store.read_data_state(step)
-    except FileNotFoundError as e:
-        raise DataStateError(f"step {step}: {e}") from None
-    data.set_state(json.loads(text) if kind == "json" else text.encode("utf-8"))
+    except RestoreError as e:
+        if isinstance(e.__cause__, FileNotFoundError):  # this process's file is missing
+            raise DataStateError(f"step {step}: {e.__cause__}") from None
+        raise
+    try:
+        saved = json.loads(text) if kind == "json" else text.encode("utf-8")
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError(
+            step,
+            [f"{_orbax.DATA}/: this process's data-iterator state is not JSON"],
+            str(store.directory),
+        ) from None
+    try:
+        data.set_state(saved)
+    except Exception as e:
+        raise DataStateError(
+            f"the data iterator refused the state saved at step {step}: {type(e).__name__}: "
+            f"{e}. Restore into an iterator built like the one that was saved (same type, "
+            "dataset and options)."
+        ) from e
 
 
 def _replicated(target: Any) -> jax.sharding.Sharding | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 from typing import Any
 
 from jaxckpt.errors import ConfigError
@@ -38,6 +39,28 @@ def gcs_blob(path: str | os.PathLike) -> Any:
         raise ConfigError(f"{text} is not a gs:// path")
     bucket, _, name = text.removeprefix("gs://").partition("/")
     return _client().bucket(bucket).blob(name)
+
+
+def open_inside(root: Any, rel: str) -> Any:
+    """Opens the file `root/rel` for reading. Locally it goes down one folder at a time
+    without following a link, and opens only a regular file: a folder swapped for a link
+    cannot lead out of `root`, nor a FIFO swapped in block the reader (OSError otherwise)."""
+    if is_remote(root):
+        return (root / rel).open("rb")
+    *folders, name = rel.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for folder in folders:
+            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        os.close(file_fd)
+        raise OSError(f"{rel} is not a regular file")
+    return os.fdopen(file_fd, "rb")
 
 
 @functools.cache

@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import tensorstore as ts
 from jax import tree_util
 
 from jaxckpt.errors import (
@@ -73,15 +75,44 @@ class LeafSpec:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> LeafSpec:
+    def from_json(cls, d: Any) -> LeafSpec:
+        """The spec recorded in a step's jaxckpt.json; ValueError naming the first field
+        that is not what jaxckpt writes (a damaged or hand-edited file)."""
+        if not isinstance(d, Mapping):
+            raise ValueError("a leaf entry is not an object")
+        name = d.get("name")
+        if not isinstance(name, str):
+            raise ValueError("a leaf's name is not a string")
+        path, shape = d.get("path"), d.get("shape")
+        if not isinstance(path, list) or not all(
+            isinstance(e, list)
+            and len(e) == 2
+            and e[0] in _ENTRY_KINDS
+            and isinstance(e[1], str | int)
+            and not isinstance(e[1], bool)
+            for e in path
+        ):
+            raise ValueError(f"leaf {name!r}: path is not a list of [kind, key] pairs")
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise ValueError(f"leaf {name!r}: shape is not a list of non-negative integers")
+        kind, dtype, key_impl = d.get("kind", ARRAY), d.get("dtype"), d.get("key_impl")
+        if kind not in (ARRAY, KEY, PYTHON):
+            raise ValueError(f"leaf {name!r}: unknown kind {_short(kind)}")
+        if not isinstance(dtype, str) or not (kind == KEY or _is_dtype(dtype)):
+            raise ValueError(f"leaf {name!r}: dtype {_short(dtype)} is not a NumPy dtype name")
+        if kind == KEY and not (isinstance(key_impl, str) and _is_key_impl(key_impl)):
+            raise ValueError(f"leaf {name!r}: key_impl {_short(key_impl)} is not a PRNG impl")
+        sharding = d.get("sharding")
+        if sharding is not None and not _is_layout(sharding):
+            raise ValueError(f"leaf {name!r}: sharding is not a recorded layout")
         return cls(
-            name=d["name"],
-            path=tuple((kind, key) for kind, key in d["path"]),
-            shape=tuple(d["shape"]),
-            dtype=d["dtype"],
-            kind=d.get("kind", ARRAY),
-            key_impl=d.get("key_impl"),
-            sharding=d.get("sharding"),
+            name=name,
+            path=tuple((kind, key) for kind, key in path),
+            shape=tuple(shape),
+            dtype=dtype,
+            kind=kind,
+            key_impl=key_impl,
+            sharding=sharding,
         )
 
     @property
@@ -104,6 +135,50 @@ class LeafSpec:
         return jax.sharding.PartitionSpec(
             *(tuple(e) if isinstance(e, list) else e for e in self.sharding["spec"])
         )
+
+
+_ENTRY_KINDS = ("dict", "seq", "attr", "index")
+
+
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+@functools.lru_cache(maxsize=256)
+def _is_dtype(name: str) -> bool:
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError):
+        return False
+    return dtype.name == name and _storable(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _is_key_impl(name: str) -> bool:
+    try:
+        jax.eval_shape(lambda: jax.random.key(0, impl=name))
+    except Exception:  # JAX's error for an unknown impl name is not one class
+        return False
+    return True
+
+
+def _is_layout(layout: Any) -> bool:
+    if not isinstance(layout, Mapping):
+        return False
+    if "mesh" in layout:
+        mesh, spec = layout.get("mesh"), layout.get("spec")
+        return (
+            isinstance(mesh, Mapping)
+            and all(isinstance(k, str) and _is_count(v) for k, v in mesh.items())
+            and isinstance(spec, list)
+            and all(
+                e is None
+                or isinstance(e, str)
+                or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+                for e in spec
+            )
+        )
+    return _is_count(layout.get("devices"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +227,8 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl, layout)
             value = jax.random.key_data(leaf)
         else:
+            if not _storable(leaf.dtype):
+                raise _unstorable(item, entries, leaf.dtype)
             dtype = _dtype_name(leaf.dtype)
             value, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
         if jax.process_count() > 1 and value.is_fully_addressable:
@@ -165,6 +242,8 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         if value.dtype != object:  # e.g. 2**70 fits no integer dtype
             return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
     elif isinstance(leaf, np.ndarray | np.generic) and leaf.dtype != object:
+        if not _storable(leaf.dtype):
+            raise _unstorable(item, entries, leaf.dtype)
         value = np.array(leaf, copy=True)
         return value, LeafSpec(name, entries, value.shape, value.dtype.name)
     raise UnsupportedValueError(
@@ -172,6 +251,24 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         f"({_short(leaf)}), which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays "
         "of a numeric dtype or Python/NumPy scalars that fit one. Put other values in meta= "
         "(JSON), or make them static pytree fields."
+    )
+
+
+@functools.lru_cache(maxsize=256)  # save blocks on this
+def _storable(dtype: np.dtype) -> bool:
+    """Whether the storage (tensorstore) has the dtype: not strings, dates, records, uint4."""
+    try:
+        ts.dtype(np.dtype(dtype).name)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _unstorable(item: str, entries: tuple, dtype: Any) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"{item} leaf {_display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
+        "cannot store. Cast it to a supported dtype first (e.g. uint4 to uint8), keep "
+        "strings in meta=, or make the value a static pytree field."
     )
 
 
@@ -190,35 +287,63 @@ def _layout(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     return {"devices": len(sharding.device_set)}
 
 
+MAX_JSON_DEPTH = 200  # far below where Python's json (and most others) stop reading
+
+
 def check_json(value: Any, path: str = "meta") -> None:
-    """Raises UnsupportedValueError naming the first value that is not strict JSON."""
-    if value is None or isinstance(value, str | bool | int):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
+    """Raises UnsupportedValueError naming the first value that is not strict JSON, or that
+    JSON readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print."""
+    stack = [(value, path, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
             raise UnsupportedValueError(
-                f"{path} is {value!r}, which JSON cannot represent; store it as a string or None."
+                f"{path} is nested more than {MAX_JSON_DEPTH} levels deep, which JSON readers "
+                "refuse; flatten it, or keep such data in a file of its own."
             )
-        return
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
+        if value is None or isinstance(value, str | bool):
+            continue
+        if isinstance(value, int):
+            if value.bit_length() > 14_000 and not _printable(value):
                 raise UnsupportedValueError(
-                    f"{path} has the key {k!r} of type {type(k).__name__}; JSON object keys "
-                    "must be strings. Convert the key with str()."
+                    f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
+                    "which Python's JSON cannot write or read; store it as a string."
                 )
-            check_json(v, f"{path}[{k!r}]")
-        return
-    if isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            check_json(v, f"{path}[{i}]")
-        return
-    raise UnsupportedValueError(
-        f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
-        "which is not JSON. meta= takes dicts with string keys, lists, strings, finite numbers, "
-        "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
-        "str() for a path, or keep arrays in state=)."
-    )
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise UnsupportedValueError(
+                    f"{path} is {value!r}, which JSON cannot represent; store it as a string or None."
+                )
+            continue
+        if isinstance(value, Mapping):
+            for k in value:
+                if not isinstance(k, str):
+                    raise UnsupportedValueError(
+                        f"{path} has the key {_short(k)} of type {type(k).__name__}; JSON object "
+                        "keys must be strings. Convert the key with str()."
+                    )
+            children = [(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()]
+            stack.extend(reversed(children))  # the first bad value is the one reported
+            continue
+        if isinstance(value, list | tuple):
+            children = [(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+            stack.extend(reversed(children))
+            continue
+        raise UnsupportedValueError(
+            f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
+            "which is not JSON. meta= takes dicts with string keys, lists, strings, finite numbers, "
+            "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
+            "str() for a path, or keep arrays in state=)."
+        )
+
+
+def _printable(value: int) -> bool:
+    try:
+        str(value)
+    except ValueError:  # over sys.get_int_max_str_digits()
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,7 +364,14 @@ def plan_restore(
     target_leaves: dict[str, tuple[tuple, Any]] = {}
     for path, leaf in pairs:
         entries = _entries(path)
-        target_leaves[_name(entries)] = (entries, leaf)
+        name = _name(entries)
+        if name in target_leaves:
+            raise TreeMismatchError(
+                f"{item} target leaves {_display(target_leaves[name][0])} and "
+                f"{_display(entries)} both stand for the stored name {name!r} (stored names "
+                "join the path with '.'), so no checkpoint can fill both; rename one key."
+            )
+        target_leaves[name] = (entries, leaf)
 
     missing = [_display(e) for n, (e, _) in target_leaves.items() if n not in by_name]
     extra = [] if partial else [s.display for s in saved if s.name not in target_leaves]

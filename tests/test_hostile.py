@@ -1,0 +1,551 @@
+"""Hostile files and shared directories: links, FIFOs, stray folders, damaged metadata, a lost
+lock, a step deleted under a reader. Whatever is planted, jaxckpt raises a `JaxckptError` (the
+CLI one line and a non-zero exit), never reads or writes outside the directory, and loses no
+committed step."""
+
+import json
+import os
+import re
+import shutil
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import errors, integrity
+from jaxckpt.cli import main as cli_main
+from reliability import hostile
+
+
+class Iterator:
+    def __init__(self, position=0):
+        self.position = position
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+def state_at(mesh, step):
+    return {
+        "params": {
+            "w": jax.device_put(jnp.full((8, 8), step, jnp.float32), NamedSharding(mesh, P("data")))
+        },
+        "b": np.full(4, step, np.float32),
+    }
+
+
+def target(mesh):
+    return {
+        "params": {
+            "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+        },
+        "b": np.zeros(4, np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, mesh):
+    """Steps 1 and 2 with state, rng, data and meta; copied for each test."""
+    directory = tmp_path_factory.mktemp("hostile") / "ckpt"
+    with jaxckpt.CheckpointManager(directory) as m:
+        for step in (1, 2):
+            m.save(
+                step,
+                state=state_at(mesh, step),
+                rng=jax.random.key(step),
+                data=Iterator(step),
+                meta={"step": step},
+            )
+    return directory
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A folder beside the checkpoint that nothing may read or write: a precious file, and a
+    FIFO that blocks whoever opens it (a test reading it would time out)."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "precious").write_text("keep me")
+    os.mkfifo(folder / "fifo")
+    return folder
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(pristine, directory, symlinks=True)
+    (directory / ".jaxckpt-writer.lock").unlink()  # (a writer released it: empty)
+    return directory
+
+
+def edit_info(step_dir, change, *, rehash=True):
+    path = step_dir / "jaxckpt" / "jaxckpt.json"
+    info = json.loads(path.read_text())
+    change(info)
+    path.write_text(json.dumps(info))
+    if rehash:  # an attacker who can write the step can also rewrite its manifest
+        integrity.write_manifest(step_dir)
+
+
+def set_manifest_entry(step_dir, name, value):
+    path = step_dir / "jaxckpt" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["files"][name] = value
+    path.write_text(json.dumps(doc))
+
+
+# ------------------------------------------------------------------------- what is planted
+
+
+def _ghost_leaf(info):
+    (w,) = [s for s in info["items"]["state"] if s["name"] == "params.w"]
+    info["items"]["state"].append(dict(w, name="ghost", path=[["dict", "ghost"]]))
+
+
+def _garbage_data_state(step_dir):
+    (step_dir / "data" / "process_0-of-1.json").write_text("{oops")
+    integrity.write_manifest(step_dir)
+
+
+HOSTILE = {
+    "json-garbage": lambda d, out: (d / "2/jaxckpt/jaxckpt.json").write_text("{garbage"),
+    "json-shape-not-a-list": lambda d, out: edit_info(
+        d / "2", lambda i: i["items"]["state"][0].update(shape="big")
+    ),
+    "json-dtype-unknown": lambda d, out: edit_info(
+        d / "2", lambda i: i["items"]["state"][0].update(dtype="float128x")
+    ),
+    "json-deep": lambda d, out: (d / "2/jaxckpt/jaxckpt.json").write_text(
+        "[" * 100_000 + "]" * 100_000
+    ),
+    "json-huge-int": lambda d, out: (d / "2/jaxckpt/jaxckpt.json").write_text(
+        '{"format": ' + "9" * 5000 + "}"
+    ),
+    "json-newer-format": lambda d, out: edit_info(d / "2", lambda i: i.update(format=99)),
+    "json-items-missing": lambda d, out: edit_info(d / "2", lambda i: i.pop("items")),
+    "manifest-entry-int": lambda d, out: set_manifest_entry(d / "2", "state/_METADATA", 5),
+    "manifest-size-str": lambda d, out: set_manifest_entry(
+        d / "2", "state/_METADATA", {"size": "big", "xxh3_128": "0"}
+    ),
+    "manifest-not-json": lambda d, out: (d / "2/jaxckpt/manifest.json").write_text("]["),
+    "unicode-digit-folders": lambda d, out: [
+        (d / "²").mkdir(),
+        (d / "①").mkdir(),
+        shutil.copytree(d / "2", d / "00002"),
+    ],
+    "symlinked-step-folder": lambda d, out: [
+        shutil.copytree(d / "2", out / "step"),
+        (d / "7").symlink_to(out / "step"),
+    ],
+    "link-in-step": lambda d, out: (d / "2/state/d.link").symlink_to(out / "fifo"),
+    "linked-folder-in-step": lambda d, out: (d / "2/state/linked").symlink_to(out),
+    "info-is-a-link": lambda d, out: [
+        (d / "2/jaxckpt/jaxckpt.json").unlink(),
+        (d / "2/jaxckpt/jaxckpt.json").symlink_to(out / "fifo"),
+    ],
+    "fifo-in-step": lambda d, out: os.mkfifo(d / "2/state/fifo"),
+    "ghost-leaf": lambda d, out: edit_info(d / "2", _ghost_leaf),
+    "data-state-garbage": lambda d, out: _garbage_data_state(d / "2"),
+    "empty-step-folder": lambda d, out: (d / "3").mkdir(),
+    "file-named-like-a-step": lambda d, out: (d / "4").write_text("not a step"),
+    "lock-symlink": lambda d, out: (d / ".jaxckpt-writer.lock").symlink_to(out / "precious"),
+    "lock-fifo": lambda d, out: os.mkfifo(d / ".jaxckpt-writer.lock"),
+    "lock-hardlink": lambda d, out: os.link(out / "precious", d / ".jaxckpt-writer.lock"),
+}
+
+
+def entry_points(d, tmp, mesh):
+    """Every public entry point, as a user calls it on this directory."""
+
+    def reader():
+        return jaxckpt.CheckpointManager(d, read_only=True)
+
+    def writer_save():
+        with jaxckpt.CheckpointManager(d) as m:
+            m.save(10, state=state_at(mesh, 10))
+
+    def cli(*args):
+        def run():
+            result = CliRunner().invoke(cli_main, [str(a) for a in args])
+            assert "Traceback" not in result.output, result.output
+            assert result.exception is None or isinstance(result.exception, SystemExit), (
+                f"{args}: {result.exception!r}"
+            )
+            if result.exit_code:
+                lines = [ln for ln in result.output.splitlines() if ln.startswith("jaxckpt:")]
+                assert lines, result.output
+
+        return run
+
+    return {
+        "reader.all_steps": lambda: reader().all_steps(),
+        "reader.restore()": lambda: reader().restore(),
+        "reader.restore(fallback)": lambda: reader().restore(fallback=True),
+        "reader.restore(2, target)": lambda: reader().restore(
+            2, state=target(mesh), rng=jax.random.key(0), data=Iterator()
+        ),
+        "reader.restore(2, no verify)": lambda: jaxckpt.CheckpointManager(
+            d, read_only=True, verify_on_restore=False
+        ).restore(2, state=target(mesh)),
+        "reader.meta(2)": lambda: reader().meta(2),
+        "reader.plan(2)": lambda: reader().plan(2, state=target(mesh)),
+        "writer.save": writer_save,
+        "verify": lambda: jaxckpt.verify(d),
+        "export": lambda: jaxckpt.export_safetensors(d, tmp / "hf", step=2, overwrite=True),
+        "cli ls": cli("ls", d),
+        "cli ls --verify": cli("ls", "--verify", d),
+        "cli inspect": cli("inspect", d, "--step", 2),
+        "cli diff --values": cli("diff", d, 1, 2, "--values"),
+        "cli plan": cli("plan", d, "--step", 2, "--mesh", 8, "--axes", "data"),
+        "cli verify": cli("verify", d),
+        "cli export": cli("export", d, tmp / "hf-cli", "--step", 2, "--overwrite"),
+    }
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_every_entry_point_survives_hostile_files(case, ckpt, outside, mesh, tmp_path):
+    HOSTILE[case](ckpt, outside)
+    for name, call in entry_points(ckpt, tmp_path, mesh).items():
+        try:
+            call()
+        except errors.JaxckptError:
+            pass
+        except Exception as e:  # anything else is a bug: name the entry point
+            raise AssertionError(f"{case}: {name} raised {type(e).__name__}: {e}") from e
+        assert (outside / "precious").read_text() == "keep me", f"{case}: {name}"
+    # Nothing committed was lost: step 1 is untouched by any of it.
+    restored = jaxckpt.CheckpointManager(ckpt, read_only=True).restore(1, state=target(mesh))
+    assert np.asarray(restored.state["params"]["w"]).tolist() == [[1.0] * 8] * 8
+
+
+# ------------------------------------------------------------------------------ the lock
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(ckpt, outside):
+    (ckpt / ".jaxckpt-writer.lock").symlink_to(outside / "precious")
+    with pytest.raises(errors.LockedError, match=r"not a lock file .* never writes through a link"):
+        jaxckpt.CheckpointManager(ckpt)
+    assert (outside / "precious").read_text() == "keep me"
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
+def test_a_hard_linked_lock_file_is_refused(ckpt, outside):
+    os.link(outside / "precious", ckpt / ".jaxckpt-writer.lock")
+    with pytest.raises(errors.LockedError, match="2 hard links"):
+        jaxckpt.CheckpointManager(ckpt)
+    assert (outside / "precious").read_text() == "keep me"
+
+
+def test_a_writer_whose_lock_was_deleted_commits_nothing_more(ckpt, mesh):
+    a = jaxckpt.CheckpointManager(ckpt)
+    a.save(3, state=state_at(mesh, 3))
+    a.wait()
+    (ckpt / ".jaxckpt-writer.lock").unlink()
+    with jaxckpt.CheckpointManager(ckpt) as b:  # the path is free: a second writer gets in
+        b.save(100, state=state_at(mesh, 100))
+    with pytest.raises(errors.LockedError, match=r"lost the writer lock .* was (removed|replaced)"):
+        a.save(4, state=state_at(mesh, 4))
+    with pytest.raises(errors.LockedError):  # for good
+        a.save(5, state=state_at(mesh, 5))
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3, 100]
+
+
+def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh, monkeypatch):
+    """The lock goes between the save's start and its commit: the commit is refused."""
+    a = jaxckpt.CheckpointManager(ckpt)
+    write_manifest = integrity.write_manifest
+
+    def lock_gone_first(step_dir):
+        (ckpt / ".jaxckpt-writer.lock").unlink()
+        write_manifest(step_dir)
+
+    monkeypatch.setattr(integrity, "write_manifest", lock_gone_first)
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.SaveError, match="lost the writer lock") as caught:
+        a.wait()
+    assert not caught.value.committed
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
+def test_a_whole_directory_removed_under_a_writer(ckpt, mesh):
+    a = jaxckpt.CheckpointManager(ckpt)
+    shutil.rmtree(ckpt)
+    with pytest.raises(errors.LockedError, match="was removed"):
+        a.save(3, state=state_at(mesh, 3))
+    a.close()
+
+
+# ------------------------------------------------------------------ links and FIFOs in a step
+
+
+@pytest.mark.timeout(60)
+def test_verify_and_restore_never_follow_a_link_out_of_a_step(ckpt, outside, mesh):
+    (ckpt / "2/state/evil").symlink_to(outside)  # holds a FIFO: opening it would hang
+    (report,) = jaxckpt.verify(ckpt, 2)
+    assert report.problems == (
+        "state/evil: a symbolic link (jaxckpt reads nothing through a link)",
+    )
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True, verify_on_restore=False)
+    with pytest.raises(errors.CorruptCheckpointError, match="state/evil: a symbolic link"):
+        reader.restore(2, state=target(mesh))
+    with pytest.raises(errors.CorruptCheckpointError, match="state/evil: a symbolic link"):
+        jaxckpt.export_safetensors(ckpt, ckpt.parent / "hf", step=2)
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).restore(fallback=True).step == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_a_step_is_reported_not_opened(ckpt):
+    os.mkfifo(ckpt / "2/state/fifo")
+    (report,) = jaxckpt.verify(ckpt, 2)
+    assert report.problems == ("state/fifo: not a regular file (a FIFO, socket or device)",)
+
+
+def test_a_symlinked_step_folder_is_not_a_step(ckpt, outside):
+    shutil.copytree(ckpt / "2", outside / "step")
+    (ckpt / "7").symlink_to(outside / "step")
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    with pytest.raises(errors.CorruptCheckpointError, match="step folder is a symbolic link"):
+        reader.restore(7)
+    reports = {r.step: r.problems for r in jaxckpt.verify(ckpt)}
+    assert reports[7] == ("the step folder is a symbolic link, which jaxckpt never follows",)
+
+
+# --------------------------------------------------------------------------- stray folders
+
+
+@pytest.mark.parametrize("name", ["²", "①", "٣", "00002", "+2", " 2"])
+def test_folders_that_only_look_like_steps_are_ignored(ckpt, mesh, name):
+    if name == "00002":
+        shutil.copytree(ckpt / "2", ckpt / name)
+    else:
+        (ckpt / name).mkdir()
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    assert reader.restore(fallback=True).step == 2
+    assert reader.meta() == {"step": 2}
+    assert [r.step for r in jaxckpt.verify(ckpt)] == [1, 2]
+    assert all(r.ok for r in jaxckpt.verify(ckpt))
+    result = CliRunner().invoke(cli_main, ["ls", str(ckpt)])
+    assert result.exit_code == 0 and "damaged" not in result.output, result.output
+
+
+# ------------------------------------------------------------------------- damaged metadata
+
+
+def test_a_step_with_garbage_metadata_is_listed_as_damaged(ckpt, mesh):
+    (ckpt / "2/jaxckpt/jaxckpt.json").write_text("{garbage")
+    result = CliRunner().invoke(cli_main, ["ls", str(ckpt)])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.split()[:1] == ["2"])
+    assert "damaged: jaxckpt/jaxckpt.json is unreadable" in row
+    for args in (
+        ["inspect", "--step", "2"],
+        ["plan", "--step", "2", "--mesh", "8", "--axes", "data"],
+    ):
+        result = CliRunner().invoke(cli_main, [args[0], str(ckpt), *args[1:]])
+        assert result.exit_code == 1
+        assert result.output.startswith("jaxckpt: error: step 2 in")
+        assert "jaxckpt.json is unreadable" in result.output
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    with pytest.raises(errors.CorruptCheckpointError, match=r"jaxckpt\.json is unreadable"):
+        reader.meta(2)
+    assert reader.restore(state=target(mesh), fallback=True).step == 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        (5, "files\\['state/_METADATA'\\] is not an object"),
+        ({"size": "big", "xxh3_128": "0"}, "files\\['state/_METADATA'\\].size is not a byte count"),
+        ({"size": 3}, "files\\['state/_METADATA'\\].xxh3_128 is not a hex digest"),
+    ],
+)
+def test_a_malformed_manifest_entry_is_reported_by_name(ckpt, mesh, entry, field):
+    set_manifest_entry(ckpt / "2", "state/_METADATA", entry)
+    (report,) = jaxckpt.verify(ckpt, 2)
+    assert len(report.problems) == 1 and re.search(field, report.problems[0])
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).restore(fallback=True).step == 1
+
+
+def test_a_newer_format_is_named(ckpt):
+    edit_info(ckpt / "2", lambda i: i.update(format=99))
+    with pytest.raises(
+        errors.CorruptCheckpointError, match="format 99, written by a newer jaxckpt"
+    ):
+        jaxckpt.CheckpointManager(ckpt, read_only=True).meta(2)
+
+
+@pytest.mark.parametrize("verify_on_restore", [True, False])
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_leaf_the_arrays_lack_is_an_error(ckpt, mesh, verify_on_restore, sharded):
+    edit_info(ckpt / "2", _ghost_leaf)
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True, verify_on_restore=verify_on_restore)
+    wanted = None
+    if sharded:
+        wanted = {**target(mesh), "ghost": target(mesh)["params"]["w"]}
+    with pytest.raises(
+        errors.CorruptCheckpointError, match="'ghost' is not among the stored arrays"
+    ):
+        reader.restore(2, state=wanted)
+    with pytest.raises(
+        errors.CorruptCheckpointError, match="'ghost' is not among the stored arrays"
+    ):
+        jaxckpt.export_safetensors(ckpt, ckpt.parent / "hf", step=2)
+
+
+def test_a_host_leaf_stored_in_another_shape_is_an_error(ckpt, mesh):
+    def grow(info):
+        (b,) = [s for s in info["items"]["state"] if s["name"] == "b"]
+        b["shape"] = [6]
+
+    edit_info(ckpt / "2", grow)
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    wanted = {**target(mesh), "b": np.zeros(6, np.float32)}
+    with pytest.raises(
+        errors.CorruptCheckpointError,
+        match=r"'b' is stored with shape \(4,\).* records shape \(6,\)",
+    ):
+        reader.restore(2, state=wanted)
+
+
+# -------------------------------------------------------------------- bad input, refused early
+
+
+@pytest.mark.parametrize(
+    ("leaf", "pattern"),
+    [
+        (np.array(["a", "bc"]), "dtype <U2"),
+        (np.array([b"ab"]), "dtype |S2"),
+        (np.array(["2020-01-01"], dtype="datetime64[D]"), "dtype datetime64"),
+        (np.zeros(2, dtype=[("a", "i4")]), "dtype"),
+        (np.ones(4, jnp.uint4), "dtype uint4"),
+        (jnp.ones(4, jnp.uint4), "dtype uint4"),
+    ],
+)
+def test_dtypes_the_storage_cannot_hold_are_refused_by_save(ckpt, leaf, pattern):
+    with jaxckpt.CheckpointManager(ckpt) as m:
+        with pytest.raises(errors.UnsupportedValueError, match=re.escape(pattern)):
+            m.save(3, state={"x": leaf})
+        assert not (ckpt / "3").exists()
+        m.save(3, state={"x": np.ones(2, jnp.int4)})  # what tensorstore holds still saves
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("meta", "pattern"),
+    [
+        ({"n": 10**5000}, r"meta\['n'\] is an integer of more than 4300 digits"),
+        (
+            {"deep": __import__("functools").reduce(lambda x, _: [x], range(5000), 0)},
+            "nested more than 200 levels",
+        ),
+    ],
+)
+def test_meta_json_readers_refuse_is_refused_by_save(ckpt, mesh, meta, pattern):
+    with jaxckpt.CheckpointManager(ckpt) as m:
+        with pytest.raises(errors.UnsupportedValueError, match=pattern):
+            m.save(3, state=state_at(mesh, 3), meta=meta)
+        assert not (ckpt / "3").exists()
+
+
+def test_restore_target_keys_that_collide_after_joining(ckpt, mesh):
+    wanted = {
+        "params.w": np.zeros((8, 8), np.float32),
+        "params": {"w": np.zeros((8, 8), np.float32)},
+    }
+    with pytest.raises(
+        errors.TreeMismatchError, match=r"\['params'\]\['w'\] and \['params.w'\] both stand for"
+    ):
+        jaxckpt.CheckpointManager(ckpt, read_only=True).restore(2, state=wanted, partial=True)
+
+
+@pytest.mark.parametrize("mesh_arg", ["100000", "8x8x8x8x8x8x8x8", "9" * 5000])
+def test_plan_bounds_the_mesh(pristine, mesh_arg):
+    result = CliRunner().invoke(
+        cli_main, ["plan", str(pristine), "--mesh", mesh_arg, "--axes", "data"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("jaxckpt: error:") and len(result.output.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- a reader racing retention
+
+
+def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh, monkeypatch):
+    """Another job's retention deletes the step being read: restore(step=None) reads the new
+    latest step; an explicit step is a StepNotFoundError naming it, never a raw OS error."""
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    read_arrays = type(reader._store).read_arrays
+    deleted = threading.Event()
+
+    def writer_deletes_first(store, step, item, requests):
+        if not deleted.is_set():
+            deleted.set()
+            with jaxckpt.CheckpointManager(
+                ckpt, retention=jaxckpt.RetentionPolicy(keep_last=1)
+            ) as w:
+                w.save(step + 1, state=state_at(mesh, step + 1))  # commits, then deletes the rest
+        return read_arrays(store, step, item, requests)
+
+    monkeypatch.setattr(type(reader._store), "read_arrays", writer_deletes_first)
+    restored = reader.restore(state=target(mesh))
+    assert restored.step == 3
+    assert np.asarray(restored.state["b"]).tolist() == [3.0] * 4
+
+    deleted.clear()
+    with pytest.raises(errors.StepNotFoundError, match=r"step 3 .* deleted while it was read"):
+        reader.restore(3, state=target(mesh))
+
+
+# ------------------------------------------------------- the stress script's hostile trials
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how", ["immutable", "interrupt"])
+def test_a_process_exits_promptly_after_a_failed_or_interrupted_save(how):
+    """Orbax's writer threads used to wait 300 s for a folder that a failed save never made,
+    keeping the process alive past any preemption grace period (`chattr +i` on ext4)."""
+    assert hostile.exit_after_failed_save(how, seed=0, timeout_s=10) is None
+
+
+def test_the_lock_deleted_under_a_writer_in_a_loop():
+    # python -m reliability.stress runs more seeds of it
+    assert hostile.lock_deletion_trial(seed=0) is None
+
+
+def test_the_lock_planted_as_a_symlink():
+    assert hostile.lock_symlink_trial() is None
+
+
+def test_ctrl_c_inside_wait_keeps_the_save_in_flight(ckpt, mesh, monkeypatch):
+    """A KeyboardInterrupt in wait() leaves the save in flight: close() still waits for it,
+    applies retention, and would report its failure."""
+    wait = type(jaxckpt.CheckpointManager(ckpt, read_only=True)._store).wait
+    interrupted = []
+
+    def ctrl_c_once(store):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        wait(store)
+
+    m = jaxckpt.CheckpointManager(ckpt, retention=jaxckpt.RetentionPolicy(keep_last=2))
+    m.save(3, state=state_at(mesh, 3))
+    monkeypatch.setattr(type(m._store), "wait", ctrl_c_once)
+    with pytest.raises(KeyboardInterrupt):
+        m.wait()
+    m.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [2, 3]
