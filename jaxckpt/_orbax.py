@@ -198,7 +198,13 @@ class OrbaxStore:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
         # Orbax removes unfinished saves of earlier runs in the background, from start-up;
         # on object storage they sit at their step's path, so wait for that to finish.
-        self._mngr._maybe_await_cleanup_tmp_directory()
+        try:
+            self._mngr._maybe_await_cleanup_tmp_directory()
+        except Exception as e:
+            # Best effort (e.g. another process still writes into the leftover): the next
+            # writer tries again. Orbax keeps a failed cleanup to raise it at every save.
+            log.warning("could not remove an unfinished save's leftovers: %s", e)
+            self._mngr._cleanup_tmp_directory_future = None
         return (self.directory / str(step)).exists()
 
     def save(

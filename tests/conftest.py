@@ -22,6 +22,23 @@ REPO = Path(__file__).resolve().parent.parent
 WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
 
 
+class Iterator:
+    """A data iterator with JSON state, like grain's DatasetIterator."""
+
+    def __init__(self, position=0):
+        self.position = position
+
+    def __next__(self):
+        self.position += 1
+        return self.position
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
 @pytest.fixture(scope="session")
 def mesh():
     """A (4, 2) data x model mesh with the classic (Auto) axis behaviour."""

@@ -13,26 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from conftest import Iterator
 from jaxckpt import errors
 
 # ------------------------------------------------------------------------------- helpers
-
-
-class Iterator:
-    """A data iterator with JSON state, like grain's DatasetIterator."""
-
-    def __init__(self, position=0):
-        self.position = position
-
-    def __next__(self):
-        self.position += 1
-        return self.position
-
-    def get_state(self):
-        return {"position": self.position}
-
-    def set_state(self, state):
-        self.position = state["position"]
 
 
 def make_state(mesh, scale):

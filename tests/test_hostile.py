@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 
 import jax
@@ -18,20 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from conftest import Iterator
 from jaxckpt import errors, integrity
 from jaxckpt.cli import main as cli_main
 from reliability import hostile
-
-
-class Iterator:
-    def __init__(self, position=0):
-        self.position = position
-
-    def get_state(self):
-        return {"position": self.position}
-
-    def set_state(self, state):
-        self.position = state["position"]
 
 
 def state_at(mesh, step):
@@ -549,3 +540,20 @@ def test_ctrl_c_inside_wait_keeps_the_save_in_flight(ckpt, mesh, monkeypatch):
         m.wait()
     m.close()
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [2, 3]
+
+
+def test_a_leftover_that_cannot_be_removed_does_not_stop_saves(ckpt, mesh, caplog):
+    """Orbax removes unfinished saves at start-up; when it cannot (here an immutable file,
+    in the stress trial a second writer still writing into it) saves go on and say so."""
+    leftover = ckpt / "3.orbax-checkpoint-tmp"
+    leftover.mkdir()
+    (leftover / "stuck").write_text("x")
+    subprocess.run(["chattr", "+i", str(leftover / "stuck")], check=True)
+    try:
+        with jaxckpt.CheckpointManager(ckpt) as m:
+            m.save(4, state=state_at(mesh, 4))
+            m.save(5, state=state_at(mesh, 5))
+        assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 4, 5]
+        assert "could not remove an unfinished save's leftovers" in caplog.text
+    finally:
+        subprocess.run(["chattr", "-i", str(leftover / "stuck")], check=True)

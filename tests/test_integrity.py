@@ -11,22 +11,11 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from conftest import REPO, run_python
+from conftest import REPO, Iterator, run_python
 from jaxckpt import errors
 from reliability.faults import CORRUPTIONS, flip_byte
 
 BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
-
-
-class Iterator:
-    def __init__(self, position=0):
-        self.position = position
-
-    def get_state(self):
-        return {"position": self.position}
-
-    def set_state(self, state):
-        self.position = state["position"]
 
 
 @pytest.fixture
