@@ -1,6 +1,7 @@
 """Crash and corruption stress: kill writers at random moments, damage steps, check recovery.
 
-    python -m reliability.stress [--trials 30] [--multihost-trials 6] [--gcs-trials 10] [--seed 0]
+    python -m reliability.stress [--trials 30] [--multihost-trials 6] [--gcs-trials 10]
+                                 [--hostile-trials 10] [--seed 0]
 
 Writes RELIABILITY.md (the table below is regenerated from the run). Every trial is seeded:
 the same seed gives the same kill moments. After every kill a *new* process-independent
@@ -30,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from etils import epath
@@ -82,7 +84,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_writers(directory: str, processes: int) -> list[subprocess.Popen]:
+def start_writers(
+    directory: str, processes: int, stderr: Any = subprocess.DEVNULL
+) -> list[subprocess.Popen]:
     port, devices = free_port(), 8 // processes
     return [
         subprocess.Popen(
@@ -99,7 +103,7 @@ def start_writers(directory: str, processes: int) -> list[subprocess.Popen]:
             ],
             cwd=REPO,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=stderr,
             text=True,
         )
         for i in range(processes)
@@ -213,11 +217,66 @@ def corruption_trials() -> dict[str, str]:
     return results
 
 
+def hostile_trials(seed: int, trials: int) -> list[tuple[str, int, str]]:
+    """Rows for the shared-directory faults of `reliability.hostile`, seeded."""
+    from reliability import hostile
+
+    def row(fault: str, results: list[str | None], ok: str) -> tuple[str, int, str]:
+        failures = [r for r in results if r is not None]
+        if failures:
+            return fault, len(results), f"FAILED {len(failures)}: " + "; ".join(failures[:3])
+        return fault, len(results), ok
+
+    if not trials:
+        return []
+    rows = [
+        row(
+            "the lock file planted as a symlink to a file outside",
+            [hostile.lock_symlink_trial()],
+            "the writer is refused (LockedError); the link's target is untouched; readers see "
+            "every step",
+        ),
+    ]
+    deleted = []
+    for i in range(trials):
+        deleted.append(hostile.lock_deletion_trial(seed + 3000 + i))
+        print(f"lock deleted {i + 1}/{trials}: {sum(r is not None for r in deleted)} failures")
+    rows.append(
+        row(
+            "the lock file deleted under a writer saving in a loop (random moment), a second "
+            "writer commits",
+            deleted,
+            "the first writer raises LockedError and commits nothing after its last lock "
+            "check; every step verifies and restores",
+        )
+    )
+    rows.append(
+        row(
+            "a save fails on a directory made immutable (chattr +i); the script dies of it",
+            [hostile.exit_after_failed_save("immutable")],
+            "SaveError, and the process exits within timeout_s (it used to live 300 s)",
+        )
+    )
+    interrupted = []
+    for i in range(trials):
+        interrupted.append(hostile.exit_after_failed_save("interrupt", seed + 4000 + i))
+        print(f"Ctrl-C {i + 1}/{trials}: {sum(r is not None for r in interrupted)} failures")
+    rows.append(
+        row(
+            "Ctrl-C at a random moment of a save loop; the script dies of it",
+            interrupted,
+            "KeyboardInterrupt, and the process exits within timeout_s",
+        )
+    )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--multihost-trials", type=int, default=6)
     parser.add_argument("--gcs-trials", type=int, default=10)
+    parser.add_argument("--hostile-trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "RELIABILITY.md")
     args = parser.parse_args()
@@ -252,6 +311,7 @@ def main() -> int:
             finally:
                 gcs.stop(server)
     corruptions = corruption_trials()
+    hostile_rows = hostile_trials(args.seed, args.hostile_trials)
 
     def kills(t: Tally) -> str:
         if not t.trials:
@@ -272,10 +332,15 @@ def main() -> int:
             kills(on_gcs),
         ),
         *((f"corruption: {name}", 1, result) for name, result in corruptions.items()),
+        *hostile_rows,
     ]
     text = (
         RELIABILITY_HEAD.format(
-            trials=args.trials, multi=args.multihost_trials, gcs=args.gcs_trials, seed=args.seed
+            trials=args.trials,
+            multi=args.multihost_trials,
+            gcs=args.gcs_trials,
+            hostile=args.hostile_trials,
+            seed=args.seed,
         )
         + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
         + "\n"
@@ -289,16 +354,17 @@ def main() -> int:
         or multi.failures
         or on_gcs.failures
         or any("FAILED" in r for r in corruptions.values())
+        or any("FAILED" in r for _, _, r in hostile_rows)
         else 0
     )
 
 
 RELIABILITY_HEAD = """# Reliability report
 
-Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --seed {seed}`
+Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --hostile-trials {hostile} --seed {seed}`
 (seeded: the same seed gives the same kill moments). The same faults run in the test suite in
 smaller numbers (`tests/test_atomicity.py`, `tests/test_integrity.py`, `tests/test_async.py`,
-`tests/test_multihost.py`, `tests/test_gcs.py`).
+`tests/test_multihost.py`, `tests/test_gcs.py`, `tests/test_hostile.py`).
 
 After every kill, a new process checks: every visible step verifies against its manifest and
 restores with exactly the bytes saved for it; `latest_step()` restores; a new writer saves the
@@ -323,6 +389,10 @@ Also covered by tests (one run each, every `make test`):
 | gs://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |
 | gs://: retention's deletes stalled | saves commit; the deleted steps are hidden by tombstones from every reader until their objects are gone |
 | a process SIGSTOPped once a step's arrays are written, before its commit, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
+| 23 hostile plants (links and FIFOs in a step, a linked step folder, stray `²`/`00002` folders, garbage, deep or newer-format jaxckpt.json, malformed manifest entries, a leaf the arrays lack, a lock that is a link, FIFO or hard link), each fed to 17 entry points (manager, verify, export, every CLI command) | only `JaxckptError`s (one-line CLI errors); nothing outside the directory read or written; step 1 intact |
+| the lock file deleted during a save, before its commit | the commit is refused (`SaveError` from `LockedError`); the step never appears |
+| another job's retention deletes the step being restored | `restore()` restores the new latest step; `restore(step)` raises `StepNotFoundError` saying it was deleted |
+| a second SIGTERM while the main thread is blocked in `restore()` or `wait()` | the process dies of SIGTERM (the first one is only the preemption notice) |
 """
 
 
