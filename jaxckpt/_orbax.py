@@ -132,7 +132,7 @@ class OrbaxStore:
             use_compression=compression == "zstd", type_handler_registry=_registry()
         )
         if read_only and not self.directory.exists():
-            raise FileNotFoundError(f"{self.directory} does not exist")
+            raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=not read_only,
             create=not read_only,

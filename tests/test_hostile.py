@@ -557,3 +557,15 @@ def test_a_leftover_that_cannot_be_removed_does_not_stop_saves(ckpt, mesh, caplo
         assert "could not remove an unfinished save's leftovers" in caplog.text
     finally:
         subprocess.run(["chattr", "-i", str(leftover / "stuck")], check=True)
+
+
+def test_reading_a_directory_that_is_not_there(tmp_path):
+    missing = tmp_path / "nowhere"
+    for call in (
+        lambda: jaxckpt.CheckpointManager(missing, read_only=True),
+        lambda: jaxckpt.verify(missing),
+        lambda: jaxckpt.export_safetensors(missing, tmp_path / "hf"),
+    ):
+        with pytest.raises(errors.NoCheckpointError, match="nowhere does not exist"):
+            call()
+    assert not missing.exists()
