@@ -59,7 +59,8 @@ class LeafSpec:
 
     @property
     def display(self) -> str:
-        """The leaf path as `jax.tree_util.keystr` writes it: `['params']['w']`."""
+        """The leaf as errors name it: its stored name (`params.w`), which `jaxckpt inspect`
+        lists and its `--filter` matches."""
         return _display(self.path)
 
     def to_json(self) -> dict[str, Any]:
@@ -207,8 +208,8 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
         name = _name(entries)
         if name in seen:
             raise UnsupportedValueError(
-                f"{item} leaves {_display(seen[name])} and {_display(entries)} both map to the stored name "
-                f"{name!r}; rename one of the keys (stored names join the path with '.')."
+                f"{item} leaves {_keystr(seen[name])} and {_keystr(entries)} both map to the stored "
+                f"name {name!r}; rename one of the keys (stored names join the path with '.')."
             )
         seen[name] = entries
         arrays[name], spec = _encode(leaf, name, entries, item)
@@ -367,8 +368,8 @@ def plan_restore(
         name = _name(entries)
         if name in target_leaves:
             raise TreeMismatchError(
-                f"{item} target leaves {_display(target_leaves[name][0])} and "
-                f"{_display(entries)} both stand for the stored name {name!r} (stored names "
+                f"{item} target leaves {_keystr(target_leaves[name][0])} and "
+                f"{_keystr(entries)} both stand for the stored name {name!r} (stored names "
                 "join the path with '.'), so no checkpoint can fill both; rename one key."
             )
         target_leaves[name] = (entries, leaf)
@@ -557,6 +558,13 @@ def _name(entries: tuple[tuple[str, Any], ...]) -> str:
 
 
 def _display(entries: Sequence[tuple[str, Any]]) -> str:
+    """How errors name a leaf: its stored name, the one spelling the CLI uses too."""
+    return _name(entries) if entries else "_ (the tree's root)"
+
+
+def _keystr(entries: Sequence[tuple[str, Any]]) -> str:
+    """The path as `jax.tree_util.keystr` writes it (`['params']['w']`): only where the
+    stored name cannot tell two leaves apart."""
     parts = []
     for kind, key in entries:
         if kind == "attr":
