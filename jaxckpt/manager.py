@@ -47,7 +47,15 @@ from jaxckpt.lock import writer_lock
 from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
-from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
+from jaxckpt.tree import (
+    LeafSpec,
+    check_json,
+    flatten,
+    nest,
+    plan_restore,
+    replicated_sharding,
+    uniform_requests,
+)
 
 log = logging.getLogger("jaxckpt")
 
@@ -459,7 +467,7 @@ class CheckpointManager:
         restored_rng = None
         if rng_specs:
             restored_rng = self._read_tree(
-                step, _orbax.RNG, rng_specs, rng, _replicated(state), False
+                step, _orbax.RNG, rng_specs, rng, replicated_sharding(state), False
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
@@ -495,7 +503,9 @@ class CheckpointManager:
         if target is None:
             arrays = self._store.read_arrays(step, item, uniform_requests(specs, default_sharding))
             return nest(specs, arrays)
-        requests, rebuild = plan_restore(target, specs, item=item, step=step, partial=partial)
+        requests, rebuild = plan_restore(
+            target, specs, item=item, step=step, partial=partial, home=default_sharding
+        )
         return rebuild(self._store.read_arrays(step, item, requests))
 
     # ---------------------------------------------------------------------------- internals
@@ -641,15 +651,3 @@ def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxSto
             f"{e}. Restore into an iterator built like the one that was saved (same type, "
             "dataset and options)."
         ) from e
-
-
-def _replicated(target: Any) -> jax.sharding.Sharding | None:
-    """Full replication over the target's mesh (or its one device); None: on the host."""
-    shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(target)]
-    for sharding in shardings:
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    for sharding in shardings:
-        if sharding is not None and len(sharding.device_set) == 1:
-            return sharding
-    return None

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxckpt.errors import ConfigError
+from jaxckpt.tree import replicated_sharding
 
 
 def _is_spec(x: Any) -> bool:
@@ -96,12 +97,16 @@ def target_like(state: Any) -> Any:
     """The target of a live state: each array leaf's shape, dtype and current sharding.
 
     Unlike passing the live state itself, the result holds no device memory, so the live
-    arrays may be deleted before restoring.
+    arrays may be deleted before restoring. Uncommitted arrays (the scalars `optax` and
+    `nnx.Optimizer` make on device 0) are placed replicated on the mesh of the other
+    leaves, as a restore into the live state itself places them.
     """
+    home = replicated_sharding(state)
 
     def abstract(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+            sharding = home if home is not None and not leaf.committed else leaf.sharding
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
         return leaf
 
     return jax.tree.map(abstract, state)

@@ -352,14 +352,23 @@ def _printable(value: int) -> bool:
 
 
 def plan_restore(
-    target: Any, saved: Sequence[LeafSpec], *, item: str, step: int, partial: bool = False
+    target: Any,
+    saved: Sequence[LeafSpec],
+    *,
+    item: str,
+    step: int,
+    partial: bool = False,
+    home: jax.sharding.Sharding | None = None,
 ) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
     """Checks `target` against the saved specs and says what to read and how to rebuild.
 
     Returns the read requests by stored name and a function that turns the arrays read into
     a tree with the target's structure and leaf types. With `partial`, saved leaves that the
-    target lacks are allowed (and not read).
+    target lacks are allowed (and not read). Uncommitted live arrays in the target land
+    replicated on the mesh of its other leaves (`replicated_sharding`), or on `home` when
+    the target places nothing.
     """
+    home = replicated_sharding(target) or home
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     by_name = {s.name: s for s in saved}
     target_leaves: dict[str, tuple[tuple, Any]] = {}
@@ -397,7 +406,7 @@ def plan_restore(
         if problem:
             mismatches.append(f"  leaf {spec.display}: {problem}")
             continue
-        sharding = _target_sharding(leaf)
+        sharding = _target_sharding(leaf, home)
         if sharding is _MISSING:
             unsharded.append(spec.display)
             continue
@@ -471,7 +480,43 @@ def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
 _MISSING = object()
 
 
-def _target_sharding(leaf: Any) -> Any:
+def replicated_sharding(target: Any) -> jax.sharding.Sharding | None:
+    """Full replication over the mesh of the target's placed leaves (or over its one
+    device); None when it places nothing (host arrays, scalars, uncommitted arrays only).
+
+    Where uncommitted arrays of a target land, and PRNG keys restored without a target:
+    `optax.adam(...).init`, `nnx.Optimizer`, `nnx.MultiMetric` and `nnx.Rngs` make scalars
+    uncommitted on device 0 beside parameters on a mesh. Restored onto device 0 they would
+    be committed there, and the next jitted step would refuse arguments on two device sets.
+    """
+    shardings = [
+        leaf.sharding
+        for leaf in jax.tree.leaves(target)
+        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
+        and getattr(leaf, "sharding", None) is not None
+        and not _uncommitted(leaf)
+    ]
+    for sharding in shardings:
+        if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
+            sharding.mesh, jax.sharding.AbstractMesh
+        ):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    for sharding in shardings:
+        if not isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) and (
+            len(sharding.device_set) == 1
+        ):
+            return sharding
+    return None
+
+
+def _uncommitted(leaf: Any) -> bool:
+    """A live array JAX may still move (made without a device: `jnp.zeros([])`)."""
+    return isinstance(leaf, jax.Array) and not leaf.committed
+
+
+def _target_sharding(leaf: Any, home: jax.sharding.Sharding | None = None) -> Any:
+    if home is not None and _uncommitted(leaf):
+        return home
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         sharding = getattr(leaf, "sharding", None)
         if sharding is None or isinstance(

@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from click.testing import CliRunner
 from flax import nnx
@@ -29,10 +30,44 @@ def cli(*args):
 class MLP(nnx.Module):
     def __init__(self, hidden: int, rngs: nnx.Rngs):
         self.linear1 = nnx.Linear(4, hidden, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)  # holds an RngStream: key and count
         self.linear2 = nnx.Linear(hidden, 2, rngs=rngs)
 
     def __call__(self, x):
-        return self.linear2(nnx.relu(self.linear1(x)))
+        return self.linear2(self.dropout(nnx.relu(self.linear1(x))))
+
+
+def on_mesh(x, mesh):
+    """Kernels split over `model` columns, biases over `model`, scalars replicated."""
+    spec = P(None, "model") if x.ndim == 2 else P("model") if x.ndim == 1 else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def batch(mesh, i):
+    x = np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    return put(x), put(np.tanh(x[:, :2]))
+
+
+def nnx_training(mesh):
+    """A model on the mesh, its optimizer and metrics, as NNX training code makes them."""
+    model = MLP(8, nnx.Rngs(0, dropout=1))
+    nnx.update(model, jax.tree.map(lambda x: on_mesh(x, mesh), nnx.state(model, nnx.Param)))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    return model, optimizer, metrics
+
+
+@nnx.jit
+def nnx_step(model, optimizer, metrics, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    metrics.update(loss=loss)
+    return loss
+
+
+def nnx_state(model, optimizer, metrics):
+    return {"model": nnx.state(model), "opt": nnx.state(optimizer), "metrics": nnx.state(metrics)}
 
 
 # ------------------------------------------------------------------ one spelling of a leaf
@@ -51,3 +86,56 @@ def test_errors_name_leaves_as_inspect_lists_and_filters_them(ckpt_dir):
     assert listed.exit_code == 0, listed.output
     assert re.search(r"^model\.linear1\.bias\.value\s+\(8,\)", listed.output, re.M)
     assert "1 leaves" in listed.output
+
+
+# ------------------------------------------------------ the live state is the target (uncommitted)
+
+
+def test_optax_state_restored_into_a_fresh_init_runs_the_jitted_step(mesh, ckpt_dir):
+    tx = optax.adam(1e-2)
+    params = {"w": on_mesh(jnp.ones((4, 8)), mesh), "b": on_mesh(jnp.zeros(8), mesh)}
+    assert not tx.init(params)[0].count.committed  # what optax gives: count on device 0
+
+    @jax.jit
+    def step(params, opt, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    x = batch(mesh, 0)[0]
+    params, opt, _ = step(params, tx.init(params), x)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state={"params": params, "opt": opt})
+        _, _, expected = step(params, opt, x)
+        for target in (
+            {"params": params, "opt": tx.init(params)},  # the live state is the target
+            jaxckpt.target_like({"params": params, "opt": tx.init(params)}),
+        ):
+            restored = m.restore(state=target).state
+            _, _, loss = step(restored["params"], restored["opt"], x)  # no device clash
+            assert float(loss) == float(expected)
+            count = restored["opt"][0].count
+            assert count.sharding.is_fully_replicated and count.sharding.mesh == mesh
+            assert int(count) == 1
+
+
+def test_nnx_optimizer_metrics_and_rngs_restored_into_live_objects_train_on(mesh, ckpt_dir):
+    model, optimizer, metrics = nnx_training(mesh)
+    for i in range(2):
+        nnx_step(model, optimizer, metrics, *batch(mesh, i))
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(2, state=nnx_state(model, optimizer, metrics))
+        expected = [float(nnx_step(model, optimizer, metrics, *batch(mesh, i))) for i in (2, 3)]
+
+        fresh = nnx_training(mesh)  # a new job: fresh objects, scalars uncommitted
+        assert not nnx.state(fresh[1])["step"].value.committed
+        restored = m.restore(state=nnx_state(*fresh))
+    for obj, key in zip(fresh, ("model", "opt", "metrics"), strict=True):
+        nnx.update(obj, restored.state[key])
+    model2, optimizer2, metrics2 = fresh
+    got = [float(nnx_step(model2, optimizer2, metrics2, *batch(mesh, i))) for i in (2, 3)]
+    assert got == expected  # dropout keys, Adam's count, the metric's totals: all resumed
+    for leaf in jax.tree.leaves(restored.state):
+        assert leaf.sharding.mesh == mesh
+    assert int(optimizer2.step.value) == 4
+    assert float(metrics2.compute()["loss"]) == float(metrics.compute()["loss"])
