@@ -40,7 +40,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
 )
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import is_remote, open_inside
+from jaxckpt.storage import absolute, is_remote, open_inside
 from jaxckpt.tree import LeafSpec, ReadRequest
 
 log = logging.getLogger("jaxckpt")
@@ -122,7 +122,7 @@ class OrbaxStore:
     ):
         """`before_commit(step_dir)` runs on process 0 once every item of a step is written
         on every process, just before the step is renamed into place (committed)."""
-        self.directory = epath.Path(directory)
+        self.directory = epath.Path(absolute(directory))
         self._before_commit = before_commit
         self._saving: int | None = None
         self._restore_inflight_bytes = restore_inflight_bytes

@@ -49,7 +49,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.names import NameMap, Target
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import is_remote
+from jaxckpt.storage import absolute, is_remote
 from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
 
 log = logging.getLogger("jaxckpt")
@@ -119,6 +119,7 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
+    checkpoint_dir, out_dir = absolute(checkpoint_dir), absolute(out_dir)
     out_dir, cast = _out_path(out_dir), _check_output(out_dir, overwrite, dtype)
     limit = parse_size(max_shard_size)
     name_map = NameMap.load(names)
@@ -371,6 +372,7 @@ def save_safetensors(
     """
     from jax.experimental import multihost_utils
 
+    out_dir = absolute(out_dir)
     if is_remote(out_dir):
         return _save_safetensors_remote(
             state, out_dir, names, dtype, max_shard_size, metadata, overwrite, skip_unsupported
@@ -584,7 +586,7 @@ def load_safetensors(
     hub cache snapshot may read its repo's blobs); FormatError for anything else, and for
     files or an index the reference loaders would refuse.
     """
-    headers = _open(path)
+    headers = _open(absolute(path))
     name_map = NameMap.load(names)
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     # Leaves are named as everywhere in jaxckpt: by their stored (dotted) name.

@@ -47,6 +47,7 @@ from jaxckpt.lock import writer_lock
 from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
+from jaxckpt.storage import absolute
 from jaxckpt.tree import (
     LeafSpec,
     check_json,
@@ -84,7 +85,8 @@ class CheckpointManager:
     """Saves and restores a whole training state asynchronously, one folder per step.
 
     Args:
-      directory: where the steps live; created if missing.
+      directory: where the steps live; created if missing. A relative path is resolved
+        against the working directory here, once.
       policy: when `should_save(step)` is true.
       retention: which committed steps to keep; the others are deleted after each commit.
       preemption: how a preemption notice (SIGTERM by default) makes `should_save` true.
@@ -139,6 +141,7 @@ class CheckpointManager:
             raise ConfigError(f"writer_lease_s must be a positive number, got {writer_lease_s!r}")
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
+        directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
         self._lock = None

@@ -139,3 +139,36 @@ def test_nnx_optimizer_metrics_and_rngs_restored_into_live_objects_train_on(mesh
         assert leaf.sharding.mesh == mesh
     assert int(optimizer2.step.value) == 4
     assert float(metrics2.compute()["loss"]) == float(metrics.compute()["loss"])
+
+
+# ------------------------------------------------------------------------- relative paths
+
+
+def test_relative_directories_work_everywhere(tmp_path, monkeypatch, mesh):
+    monkeypatch.chdir(tmp_path)
+    state = lambda step: {"w": on_mesh(jnp.full((4, 8), step, jnp.float32), mesh)}  # noqa: E731
+    with jaxckpt.CheckpointManager("rel/run") as m:
+        m.save(40, state=state(40))
+        monkeypatch.chdir("/")  # resolved once, where it came in: a chdir moves nothing
+        m.save(60, state=state(60))
+        m.wait()
+        monkeypatch.chdir(tmp_path)
+    assert (tmp_path / "rel/run/60").is_dir()
+    with jaxckpt.CheckpointManager("rel/run", read_only=True) as m:
+        assert m.all_steps() == [40, 60]
+        restored = m.restore(state=jaxckpt.target_like(state(0)))
+    assert float(restored.state["w"][0, 0]) == 60
+    assert [r.ok for r in jaxckpt.verify("rel/run")] == [True, True]
+
+    jaxckpt.export_safetensors("rel/run", "hf")
+    jaxckpt.save_safetensors(state(7), "live")
+    for source, value in (("hf", 60), ("live", 7), ("live/model.safetensors", 7)):
+        loaded = jaxckpt.load_safetensors(source, {"w": np.zeros((4, 8), np.float32)})
+        assert loaded["w"][0, 0] == value, source
+
+    compared = cli("diff", "rel/run", 40, 60, "--values")
+    assert compared.exit_code == 0, compared.output
+    assert "max |a - b| = 20" in compared.output
+    exported = cli("export", "rel/run", "out")
+    assert exported.exit_code == 0, exported.output
+    assert (tmp_path / "out/model.safetensors").is_file()
