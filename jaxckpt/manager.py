@@ -304,8 +304,17 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()  # a failed save raises SaveError here
+            return
+        # The body's own error is what the user must see: a save failing meanwhile is
+        # logged and noted on it, never raised in its place.
+        try:
+            self.close()
+        except Exception as e:
+            log.error("%s (while the with-block raised %s)", e, type(exc).__name__)
+            exc.add_note(f"jaxckpt: on leaving the with-block: {type(e).__name__}: {e}")
 
     # ---------------------------------------------------------------------------- restore
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from conftest import WRITES_DONE_EVENT
 from jaxckpt import errors
 from jaxckpt.cli import main
 
@@ -172,3 +173,44 @@ def test_relative_directories_work_everywhere(tmp_path, monkeypatch, mesh):
     exported = cli("export", "rel/run", "out")
     assert exported.exit_code == 0, exported.output
     assert (tmp_path / "out/model.safetensors").is_file()
+
+
+# -------------------------------------------------------------- the body's error comes first
+
+
+def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir, caplog):
+    lock = ckpt_dir / ".jaxckpt-writer.lock"
+
+    def lose_the_lock(event, duration, **kwargs):  # in the background, before the commit
+        if event == WRITES_DONE_EVENT:
+            lock.unlink(missing_ok=True)
+
+    jax.monitoring.register_event_duration_secs_listener(lose_the_lock)
+    try:
+        with (
+            pytest.raises(FloatingPointError, match=r"^loss is nan\n") as info,
+            jaxckpt.CheckpointManager(ckpt_dir) as m,
+        ):
+            m.save(1, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
+            raise FloatingPointError("loss is nan")  # the training loop's own error
+    finally:
+        jax.monitoring.unregister_event_duration_listener(lose_the_lock)
+    (note,) = info.value.__notes__
+    assert note.startswith(
+        "jaxckpt: on leaving the with-block: SaveError: saving step 1 failed in the background"
+    )
+    assert "LockedError" in note
+    failed = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "jaxckpt"]
+    assert failed and "saving step 1 failed" in failed[0].getMessage()
+    assert "FloatingPointError" in failed[0].getMessage()
+
+    # Without an error in the body, the failed save is what the with-block raises.
+    jax.monitoring.register_event_duration_secs_listener(lose_the_lock)
+    try:
+        with (
+            pytest.raises(errors.SaveError, match="saving step 2 failed in the background"),
+            jaxckpt.CheckpointManager(ckpt_dir) as m,
+        ):
+            m.save(2, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(lose_the_lock)
