@@ -164,7 +164,9 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def _json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=1))
+    from jaxckpt.tree import strict_json  # a NaN in meta= is the string "NaN" here
+
+    click.echo(json.dumps(strict_json(doc), indent=1, allow_nan=False))
 
 
 @contextlib.contextmanager

@@ -292,8 +292,13 @@ MAX_JSON_DEPTH = 200  # far below where Python's json (and most others) stop rea
 
 
 def check_json(value: Any, path: str = "meta") -> None:
-    """Raises UnsupportedValueError naming the first value that is not strict JSON, or that
-    JSON readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print."""
+    """Raises UnsupportedValueError naming the first value that is not JSON, or that JSON
+    readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print.
+
+    NaN and infinities are kept (a NaN loss in `meta=` must not stop training): Python's
+    json writes and reads them as the tokens NaN, Infinity and -Infinity, which strict JSON
+    lacks; `strict_json` turns them into those strings for output that must be strict.
+    """
     stack = [(value, path, 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -312,10 +317,6 @@ def check_json(value: Any, path: str = "meta") -> None:
                 )
             continue
         if isinstance(value, float):
-            if not math.isfinite(value):
-                raise UnsupportedValueError(
-                    f"{path} is {value!r}, which JSON cannot represent; store it as a string or None."
-                )
             continue
         if isinstance(value, Mapping):
             for k in value:
@@ -333,10 +334,25 @@ def check_json(value: Any, path: str = "meta") -> None:
             continue
         raise UnsupportedValueError(
             f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
-            "which is not JSON. meta= takes dicts with string keys, lists, strings, finite numbers, "
+            "which is not JSON. meta= takes dicts with string keys, lists, strings, numbers, "
             "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
             "str() for a path, or keep arrays in state=)."
         )
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with NaN and infinities as the strings "NaN", "Infinity" and "-Infinity" (the
+    tokens Python's json writes for them), for documents that must be strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NON_FINITE[repr(value)]
+    if isinstance(value, Mapping):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _printable(value: int) -> bool:

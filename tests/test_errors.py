@@ -2,7 +2,6 @@
 nothing already saved."""
 
 import contextlib
-import math
 import re
 
 import jax
@@ -343,25 +342,19 @@ def _fn():
             {"metrics": {"loss": np.float32(0.5)}},
             r"meta\['metrics'\]\['loss'\] is a numpy\.float32 .*\.item\(\) for a NumPy scalar",
         ),
-        ({"metrics": [1.0, math.nan]}, r"meta\['metrics'\]\[1\] is nan, which JSON cannot"),
-        ({"metrics": [{"x": -math.inf}]}, r"meta\['metrics'\]\[0\]\['x'\] is -inf"),
         ({"config": {1: "a"}}, r"meta\['config'\] has the key 1 of type int; JSON object keys"),
         ({"config": {("a", "b"): 1}}, r"meta\['config'\] has the key \('a', 'b'\) of type tuple"),
         ({"array": np.zeros(3)}, r"meta\['array'\] is a numpy\.ndarray .*keep arrays in state="),
         ({"path": {1, 2}}, r"meta\['path'\] is a builtins\.set"),
-        (float("nan"), r"meta is nan"),
     ],
     ids=[
         "function",
         "lambda",
         "numpy-scalar",
-        "nan",
-        "inf",
         "int-key",
         "tuple-key",
         "array",
         "set",
-        "root-nan",
     ],
 )
 def test_non_json_meta_is_rejected_by_save(saved, mesh, ckpt_dir, meta, pattern):

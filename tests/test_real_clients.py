@@ -4,6 +4,8 @@ flax.nnx modules, optimizers, metrics and Rngs, grain pipelines and DataLoaders.
 Each test is a bug a user met (issue 15): it failed before the fix.
 """
 
+import json
+import math
 import re
 
 import jax
@@ -17,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from conftest import WRITES_DONE_EVENT
+from conftest import WRITES_DONE_EVENT, run_python
 from jaxckpt import errors
 from jaxckpt.cli import main
 
@@ -214,3 +216,34 @@ def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir
             m.save(2, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
     finally:
         jax.monitoring.unregister_event_duration_listener(lose_the_lock)
+
+
+# ---------------------------------------------------------------------- a NaN loss in meta
+
+
+def test_a_nan_loss_in_meta_is_saved_and_read_back_everywhere(mesh, ckpt_dir):
+    loss = jnp.log(jnp.float32(-1.0))  # what a diverged training step hands back
+    meta = {"loss": float(loss), "best": math.inf, "worst": [-math.inf, 0.5]}
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state={"w": on_mesh(jnp.ones((4, 8)), mesh)}, meta=meta)  # no refusal
+        m.wait()
+        for got in (m.meta(), m.restore().meta):
+            assert math.isnan(got["loss"]) and got["best"] == math.inf
+            assert got["worst"] == [-math.inf, 0.5]
+
+    fresh = run_python(
+        "-c",
+        "import jax; jax.config.update('jax_platforms', 'cpu'); import jaxckpt, sys; "
+        "m = jaxckpt.CheckpointManager(sys.argv[1], read_only=True); "
+        "print(repr(m.meta()), repr(m.restore().meta))",
+        str(ckpt_dir),
+    )
+    expected = "{'loss': nan, 'best': inf, 'worst': [-inf, 0.5]}"
+    assert fresh.stdout.split("\n")[0] == f"{expected} {expected}"
+
+    shown = cli("inspect", ckpt_dir, "--json")
+    assert shown.exit_code == 0, shown.output
+    doc = json.loads(shown.output, parse_constant=lambda token: pytest.fail(token))  # strict
+    assert doc["meta"] == {"loss": "NaN", "best": "Infinity", "worst": ["-Infinity", 0.5]}
+    assert 'meta: {"loss": NaN' in cli("inspect", ckpt_dir).output
+    assert cli("ls", ckpt_dir, "--json").exit_code == 0
