@@ -247,3 +247,49 @@ def test_a_nan_loss_in_meta_is_saved_and_read_back_everywhere(mesh, ckpt_dir):
     assert doc["meta"] == {"loss": "NaN", "best": "Infinity", "worst": ["-Infinity", 0.5]}
     assert 'meta: {"loss": NaN' in cli("inspect", ckpt_dir).output
     assert cli("ls", ckpt_dir, "--json").exit_code == 0
+
+
+# ----------------------------------------------- specs that do not fit another mesh: one rule
+
+
+def test_target_on_mesh_and_plan_fall_back_to_replicated_by_the_same_rule(mesh, ckpt_dir, caplog):
+    model = nnx_training(mesh)[0]
+    state = {
+        "model": nnx.state(model),  # kernels and biases split over `model`
+        "emb": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data"))),  # 16 % 8 == 0
+        "odd": jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("data"))),  # 4 % 8 != 0
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+    data_only = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        target = jaxckpt.target_on_mesh(state, data_only)  # the live state, onto 8-way data
+    (record,) = [r for r in caplog.records if "target_on_mesh" in r.getMessage()]
+    fell_back = set(record.args[-1].split(", "))  # the leaves, as inspect names them
+    assert fell_back == {
+        "model.linear1.kernel.value",
+        "model.linear1.bias.value",
+        "model.linear2.kernel.value",
+        "model.linear2.bias.value",
+        "odd",
+    }
+    assert target["emb"].sharding.spec == P("data")
+    assert target["model"]["linear1"]["kernel"].value.sharding.spec == P()
+
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        restored = m.restore(state=target).state
+    assert restored["emb"].sharding.mesh == data_only
+    np.testing.assert_array_equal(
+        restored["model"]["linear1"]["kernel"].value, state["model"]["linear1"]["kernel"].value
+    )
+
+    planned = cli("plan", ckpt_dir, "--mesh", "8", "--axes", "data", "--json")
+    assert planned.exit_code == 0, planned.output
+    assert set(json.loads(planned.output)["planned_replicated"]) == fell_back
+
+    # Explicit specs are not guessed at: an axis the mesh lacks names the leaf.
+    with pytest.raises(errors.ConfigError, match=r"leaf w: its PartitionSpec .*'model'.*lacks"):
+        jaxckpt.target_on_mesh(
+            {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}, data_only, P("model")
+        )
