@@ -379,6 +379,15 @@ def _check_info(doc: Any) -> dict[str, Any]:
                 raise ValueError(f"'items.{item}': {e}") from None
     if doc.get("data") not in (None, "json", "bytes"):
         raise ValueError('\'data\' is not null, "json" or "bytes"')
+    kinds = doc.get("node_types")
+    if kinds is not None and not (
+        isinstance(kinds, dict)
+        and all(
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+            for names in kinds.values()
+        )
+    ):
+        raise ValueError("'node_types' is not an object of lists of type names")
     for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
         if doc.get(key) is not None and not isinstance(doc[key], kind):
             raise ValueError(f"{key!r} is not a {kind.__name__}")

@@ -53,6 +53,7 @@ from jaxckpt.tree import (
     check_json,
     flatten,
     nest,
+    node_types,
     plan_restore,
     replicated_sharding,
     uniform_requests,
@@ -271,6 +272,8 @@ class CheckpointManager:
                     _orbax.RNG: [s.to_json() for s in rng_specs],
                 },
                 "data": data_kind,
+                # what a restore without an rng= target could not rebuild (nnx.Rngs state)
+                "node_types": {_orbax.RNG: node_types(rng)},
                 "meta": meta,
             }
             try:
@@ -343,7 +346,9 @@ class CheckpointManager:
             used), NumPy arrays (restored on the host) or Python scalars. Its shardings decide
             where the data lands. None restores the saved tree as host NumPy arrays.
           rng: a target for the PRNG keys, like `state`. None puts them replicated on the
-            devices of the state target (on the host when there is no state target).
+            devices of the state target (on the host when there is no state target), as
+            nested dicts/lists; keys saved from other node types (`nnx.state(rngs)`) need a
+            target of that kind (TreeMismatchError without one).
           data: an iterator with `set_state`; it is moved to the saved position in place,
             after everything else was read successfully.
           partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
@@ -475,6 +480,16 @@ class CheckpointManager:
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
+        kinds = (info.get("node_types") or {}).get(_orbax.RNG)
+        if rng is None and rng_specs and kinds:  # before any array is read
+            raise TreeMismatchError(
+                f"the PRNG keys of step {step} were saved from a tree of {', '.join(kinds)}, "
+                "which a restore without an rng= target cannot rebuild: it would return "
+                "nested dicts that e.g. nnx.update takes silently and dropout later fails on. "
+                "Pass rng= an object of the same kind, built like the saved one (for "
+                "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
+                "streams, then nnx.update(rngs, restored.rng))."
+            )
         restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None, partial)
         restored_rng = None
         if rng_specs:

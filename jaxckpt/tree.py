@@ -255,6 +255,25 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
     )
 
 
+_PLAIN_NODES = (dict, list, tuple, type(None))
+
+
+def node_types(tree: Any) -> list[str]:
+    """The qualified names of the tree's node types other than dict, list, tuple and None:
+    those a restore without a target cannot rebuild (it returns nested dicts and lists)."""
+    found: set[type] = set()
+    stack = [tree_util.tree_structure(tree)]
+    while stack:
+        treedef = stack.pop()
+        data = treedef.node_data()
+        if data is None:  # a leaf
+            continue
+        if data[0] not in _PLAIN_NODES:
+            found.add(data[0])
+        stack.extend(treedef.children())
+    return sorted(f"{t.__module__}.{t.__qualname__}" for t in found)
+
+
 @functools.lru_cache(maxsize=256)  # save blocks on this
 def _storable(dtype: np.dtype) -> bool:
     """Whether the storage (tensorstore) has the dtype: not strings, dates, records, uint4."""

@@ -293,3 +293,43 @@ def test_target_on_mesh_and_plan_fall_back_to_replicated_by_the_same_rule(mesh, 
         jaxckpt.target_on_mesh(
             {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}, data_only, P("model")
         )
+
+
+# ------------------------------------------------------------------ nnx.Rngs passed as rng=
+
+
+@nnx.jit
+def dropped(x, rngs):
+    return nnx.Dropout(0.5)(x, rngs=rngs)
+
+
+def test_nnx_rngs_as_rng_need_a_target_of_their_kind_and_then_resume(mesh, ckpt_dir):
+    rngs = nnx.Rngs(0, dropout=1)
+    x = on_mesh(jnp.ones((4, 8)), mesh)
+    dropped(x, rngs)  # the streams move on
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state={"x": x}, rng=nnx.state(rngs))
+        expected = [np.asarray(dropped(x, rngs)) for _ in range(2)]
+
+        # Plain dicts in place of the Rngs' state: nnx.update took them, dropout then died of
+        # KeyError: Ellipsis. Refused, before any array is read, saying what to pass.
+        with pytest.raises(
+            errors.TreeMismatchError,
+            match=r"saved from a tree of .*flax\.nnx\.statelib\.State.*rng=nnx\.state\(rngs\)",
+        ):
+            m.restore(state={"x": x})
+
+        fresh = nnx.Rngs(7, dropout=8)  # a new job's Rngs, with the same streams
+        restored = m.restore(state={"x": x}, rng=nnx.state(fresh))
+    assert isinstance(restored.rng, nnx.State)
+    nnx.update(fresh, restored.rng)
+    got = [np.asarray(dropped(x, fresh)) for _ in range(2)]
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(fresh.dropout.count.value) == int(rngs.dropout.count.value)
+
+    # Plain trees of keys restore without a target, as before.
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(2, state={"x": x}, rng={"data": jax.random.key(3), "pair": [jax.random.key(4)]})
+        plain = m.restore(state={"x": x}).rng
+    assert jax.random.key_impl(plain["pair"][0]) == jax.random.key_impl(jax.random.key(4))
