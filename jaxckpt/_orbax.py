@@ -11,6 +11,7 @@ when every item is written, so a step directory exists only once committed):
         state/                      the state tree: tensorstore OCDBT, one entry per leaf name
         rng/                        PRNG keys as raw key data (only when rng= was given)
         data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
+        data/iterator_<i>-of-<n>.json what that iterator was (jaxckpt.iterators.describe)
         jaxckpt/jaxckpt.json        leaf specs, user meta, versions: marks a jaxckpt step
         jaxckpt/manifest.json       size + checksum of every file (see jaxckpt.integrity)
         _CHECKPOINT_METADATA, commit_success.txt   Orbax's own
@@ -69,13 +70,18 @@ def step_of(name: str) -> int | None:
 
 
 class _DataStateHandler(ocp.CheckpointHandler):
-    """Writes each process's data-iterator state to its own file.
+    """Writes each process's data-iterator state to its own file, and beside it what the
+    iterator was (`jaxckpt.iterators.describe`), checked at restore before any array is
+    read. Per process, as the states are: each process's pipeline reads its own shard.
 
-    The file naming matches grain's own Orbax handler (`process_<i>-of-<n>.json`).
+    The state files are named as grain's own Orbax handler names them
+    (`process_<i>-of-<n>.json`), the descriptions `iterator_<i>-of-<n>.json`.
     """
 
     def save(self, directory: epath.Path, args: DataSave) -> None:
         self._path(directory).write_text(args.text)
+        if args.about is not None:
+            (directory / about_file()).write_text(args.about)
 
     def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
         path = self._path(directory)
@@ -95,10 +101,16 @@ class _DataStateHandler(ocp.CheckpointHandler):
         return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
+def about_file() -> str:
+    """This process's iterator description, in the data item's folder."""
+    return f"iterator_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
 @ocp.args.register_with_handler(_DataStateHandler, for_save=True)
 @dataclasses.dataclass
 class DataSave(ocp.args.CheckpointArgs):
     text: str
+    about: str | None = None
 
 
 @ocp.args.register_with_handler(_DataStateHandler, for_restore=True)
@@ -215,6 +227,7 @@ class OrbaxStore:
         rng: Mapping[str, Any],
         data: str | None,
         info: Mapping[str, Any],
+        data_about: str | None = None,
     ) -> None:
         """Starts an async save; returns once device arrays are copied to host memory."""
         args: dict[str, Any] = {INFO: ocp.args.JsonSave(dict(info))}
@@ -226,7 +239,7 @@ class OrbaxStore:
                     arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
         if data is not None:
-            args[DATA] = DataSave(data)
+            args[DATA] = DataSave(data, data_about)
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -310,6 +323,36 @@ class OrbaxStore:
                 _check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
         return out
+
+    def read_data_about(self, step: int) -> dict[str, Any] | None:
+        """What this process's data iterator was at save (None: a step saved before jaxckpt
+        recorded it, or by another number of processes); read as a plain file, before any
+        array. CorruptCheckpointError when it is not what jaxckpt writes."""
+        rel = f"{DATA}/{about_file()}"
+        try:
+            with open_inside(self.step_dir(step), rel) as f:
+                about = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, RecursionError) as e:
+            problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CorruptCheckpointError(
+                step, [f"{rel} is unreadable: {problem}"], str(self.directory)
+            ) from None
+        if not (
+            isinstance(about, dict)
+            and isinstance(about.get("type"), str)
+            and all(
+                isinstance(about.get(k, []), list)
+                and all(isinstance(e, str) for e in about.get(k, []))
+                for k in ("state", "pipeline")
+            )
+            and isinstance(about.get("config", {}), dict)
+        ):
+            raise CorruptCheckpointError(
+                step, [f"{rel} is not an iterator description"], str(self.directory)
+            )
+        return about
 
     def read_data_state(self, step: int) -> str:
         with _read_errors(step, DATA, self.directory):

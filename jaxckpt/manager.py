@@ -31,11 +31,12 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _orbax, integrity
+from jaxckpt import _orbax, integrity, iterators
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     DataStateError,
+    JaxckptError,
     NoCheckpointError,
     RestoreError,
     SaveError,
@@ -245,7 +246,7 @@ class CheckpointManager:
         with _gc_paused():
             state_arrays, state_specs = flatten(state, item="state")
             rng_arrays, rng_specs = flatten(rng, item="rng")
-        data_text, data_kind = _data_state(data)
+        data_text, data_kind, data_about = _data_state(data)
 
         self._finish_pending()
         # One stat on the blocking path; the directory is listed only to word the refusal.
@@ -278,7 +279,12 @@ class CheckpointManager:
             }
             try:
                 self._store.save(
-                    step, state=state_arrays, rng=rng_arrays, data=data_text, info=info
+                    step,
+                    state=state_arrays,
+                    rng=rng_arrays,
+                    data=data_text,
+                    info=info,
+                    data_about=data_about,
                 )
             except Exception as e:
                 raise self._save_error(step, e, background=False) from e
@@ -330,6 +336,7 @@ class CheckpointManager:
         data: Any = None,
         partial: bool = False,
         fallback: bool = False,
+        data_mismatch_ok: bool = False,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
@@ -350,15 +357,21 @@ class CheckpointManager:
             nested dicts/lists; keys saved from other node types (`nnx.state(rngs)`) need a
             target of that kind (TreeMismatchError without one).
           data: an iterator with `set_state`; it is moved to the saved position in place,
-            after everything else was read successfully.
+            after everything else was read successfully. It must be built like the saved
+            one (type, state fields, grain pipeline or DataLoader sampler and source, see
+            `jaxckpt.iterators`): a mismatch is a DataStateError before any array is read.
           partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
             of a saved `{"params", "opt_state"}`); the rest is not read.
           fallback: with `step=None`, move to older steps while the newest does not verify.
+          data_mismatch_ok: move `data` to the saved position even though it is not built
+            like the saved iterator (a deliberate change, e.g. another batch size); what
+            changed is logged. The iterator's own `set_state` may still refuse the state.
         """
         self._check_open()
+        data_ok = (data, data_mismatch_ok)
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
-                return self._restore_newest(step, state, rng, data, partial, fallback)
+                return self._restore_newest(step, state, rng, data_ok, partial, fallback)
             except _Deleted as e:
                 if step is not None:
                     raise self._deleted(e.step) from e.__cause__
@@ -369,12 +382,12 @@ class CheckpointManager:
             "job keeps (step=...), or stop it first."
         )
 
-    def _restore_newest(self, step, state, rng, data, partial, fallback) -> Restored:
+    def _restore_newest(self, step, state, rng, data_ok, partial, fallback) -> Restored:
         skipped = []
         for candidate in self._candidates(step, fallback):
             try:
                 with _gc_paused():
-                    return self._restore_verified(candidate, state, rng, data, partial)
+                    return self._restore_verified(candidate, state, rng, data_ok, partial)
             except Exception as e:
                 if candidate not in self._store.committed_steps():
                     raise _Deleted(candidate) from e
@@ -421,7 +434,7 @@ class CheckpointManager:
         log.info("restoring the latest committed step %d from %s", steps[-1], self.directory)
         return sorted(steps, reverse=True) if fallback else [steps[-1]]
 
-    def _restore_verified(self, step, state, rng, data, partial) -> Restored:
+    def _restore_verified(self, step, state, rng, data_ok, partial) -> Restored:
         """Restores a step; with `verify_on_restore`, only if its files match the manifest.
 
         One process hashes the files in a worker thread while it reads the arrays, and
@@ -429,27 +442,84 @@ class CheckpointManager:
         agree on the verdict (a collective), then read, so no process reads a corrupt step
         that another refuses.
         """
+        data, mismatch_ok = data_ok
         # Before Orbax or tensorstore opens anything: a link could lead out of the directory.
         self._check(step, integrity.unsafe_entries(self._store.step_dir(step)))
         if self._verify and jax.process_count() > 1:
             self._check(step, self._verify_share(step))
+        info = None
+        if data is not None:  # before any array is read (and, on one process, any file hashed)
+            info = self._read_info(step)
+            self._check_data(step, info, data, mismatch_ok)
         if self._verify and jax.process_count() == 1:
             with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
                 report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
                 try:
-                    info = self._read_info(step)
+                    info = info or self._read_info(step)
                     restored = self._restore_step(step, info, state, rng, partial)
                 except Exception:
                     self._check(step, report.result().problems)  # corruption explains it
                     raise
                 self._check(step, report.result().problems)
         else:
-            info = self._read_info(step)
+            info = info or self._read_info(step)
             restored = self._restore_step(step, info, state, rng, partial)
         if data is not None:  # last: after everything else was read (and verified)
             _restore_data(data, step, info.get("data"), self._store)
             restored = dataclasses.replace(restored, data=data)
         return restored
+
+    def _check_data(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> None:
+        """Refuses, before any array is read, a data iterator unlike the one saved (or one
+        for a step saved without data=). Every process decides on its own iterator, then all
+        agree (a collective), so that none reads arrays while another gave up."""
+        if data is None:
+            return
+        try:
+            problem = self._data_problem(step, info, data, mismatch_ok)
+        except JaxckptError as e:  # a damaged description: raised once all processes know
+            problem = e
+        if jax.process_count() > 1:
+            refused = np.ravel(multihost_utils.process_allgather(np.int32(problem is not None)))
+            if problem is None and refused.any():
+                found = [i for i, r in enumerate(refused) if r]
+                problem = (
+                    f"process(es) {found} refused their data iterator for step {step} (their "
+                    "errors say why); nothing was read"
+                )
+        if isinstance(problem, Exception):
+            raise problem
+        if problem is not None:
+            raise DataStateError(problem)
+
+    def _data_problem(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> str | None:
+        if not callable(getattr(data, "set_state", None)):
+            return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
+        if info.get("data") is None:
+            return (
+                f"step {step} holds no data-iterator state (it was saved without data=); "
+                "restore without data= or from a step saved with it"
+            )
+        saved = self._store.read_data_about(step)  # None: saved before jaxckpt recorded it
+        changed = iterators.differences(saved, iterators.describe(data)) if saved else []
+        if not changed:
+            return None
+        if mismatch_ok:
+            log.warning(
+                "restore: the data iterator differs from the one saved at step %d "
+                "(data_mismatch_ok=True): %s",
+                step,
+                "; ".join(changed),
+            )
+            return None
+        where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+        return (
+            f"the data iterator is not built like the one saved at step {step}{where}:\n  "
+            + "\n  ".join(changed)
+            + "\nBuild it like the saved one to resume the same data order; for a deliberate "
+            "change, pass data_mismatch_ok=True to move it to the saved position all the "
+            "same. Nothing was read."
+        )
 
     def _verify_share(self, step: int) -> tuple[str, ...]:
         """Each process checks a share of the step's files; all agree on the verdict."""
@@ -624,38 +694,32 @@ def _check_step(step: Any) -> int:
     return value
 
 
-def _data_state(data: Any) -> tuple[str | None, str | None]:
-    """Snapshots the iterator's state now, as text to store and its kind."""
+def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
+    """Snapshots the iterator's state now: as text to store, its kind, and what the
+    iterator is (`iterators.describe`, as JSON text)."""
     if data is None:
-        return None, None
+        return None, None, None
     if not callable(getattr(data, "get_state", None)):
         raise DataStateError(
             f"data= takes an iterator with get_state() and set_state() (e.g. a grain "
             f"DatasetIterator); got a {type(data).__name__}"
         )
     state = data.get_state()
+    about = json.dumps(iterators.describe(data, state))
     if isinstance(state, bytes):  # grain's DataLoaderIterator: JSON text as bytes
         try:
-            return state.decode("utf-8"), "bytes"
+            return state.decode("utf-8"), "bytes", about
         except UnicodeDecodeError:
             raise DataStateError(
                 "data.get_state() returned bytes that are not UTF-8 text; jaxckpt stores "
                 "iterator states as text (JSON or UTF-8 bytes)"
             ) from None
     check_json(state, "data.get_state()")
-    return json.dumps(state), "json"
+    return json.dumps(state), "json", about
 
 
 def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxStore) -> None:
-    if not callable(getattr(data, "set_state", None)):
-        raise DataStateError(
-            f"data= takes an iterator with set_state(); got a {type(data).__name__}"
-        )
-    if kind is None:
-        raise DataStateError(
-            f"step {step} holds no data-iterator state (it was saved without data=); "
-            "restore without data= or from a step saved with it"
-        )
+    """Moves `data` to the saved position (checked beforehand by `_check_data`)."""
     try:
         text = store.read_data_state(step)
     except RestoreError as e:

@@ -7,7 +7,9 @@ Each test is a bug a user met (issue 15): it failed before the fix.
 import json
 import math
 import re
+import shutil
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from click.testing import CliRunner
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from multihost import run_job
 
 import jaxckpt
 from conftest import WRITES_DONE_EVENT, run_python
@@ -333,3 +336,131 @@ def test_nnx_rngs_as_rng_need_a_target_of_their_kind_and_then_resume(mesh, ckpt_
         m.save(2, state={"x": x}, rng={"data": jax.random.key(3), "pair": [jax.random.key(4)]})
         plain = m.restore(state={"x": x}).rng
     assert jax.random.key_impl(plain["pair"][0]) == jax.random.key_impl(jax.random.key(4))
+
+
+# --------------------------------------------------------------- data iterators, checked first
+
+
+def pipeline(batch_size):
+    return iter(grain.MapDataset.range(1000).batch(batch_size).to_iter_dataset())
+
+
+def loader(seed):
+    return iter(
+        grain.DataLoader(
+            data_source=list(range(100)),
+            sampler=grain.samplers.IndexSampler(100, shuffle=True, seed=seed, num_epochs=1),
+            operations=[grain.transforms.Batch(4)],
+            worker_count=0,
+        )
+    )
+
+
+@pytest.fixture
+def saved_with_data(mesh, ckpt_dir):
+    """Step 1 saved with a grain pipeline (batch 32) two batches in, step 2 with a DataLoader
+    (seed 1) three batches in; and a reader of a copy whose arrays are gone, where a restore
+    that reads an array fails."""
+    state = {"w": on_mesh(jnp.ones((4, 8)), mesh)}
+    data, batches = pipeline(32), loader(1)
+    for _ in range(2):
+        next(data)
+    for _ in range(3):
+        next(batches)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state, data=data)
+        m.save(2, state=state, data=batches)
+    no_arrays = ckpt_dir.parent / "no-arrays"
+    shutil.copytree(ckpt_dir, no_arrays)
+    for step in (1, 2):
+        shutil.rmtree(no_arrays / str(step) / "state")
+    reader = jaxckpt.CheckpointManager(no_arrays, read_only=True, verify_on_restore=False)
+    yield jaxckpt.CheckpointManager(ckpt_dir, read_only=True), reader, state
+    reader.close()
+
+
+def test_another_batch_size_is_refused_before_any_array_is_read(saved_with_data, caplog):
+    m, reader, state = saved_with_data
+    resumed = pipeline(64)
+    with pytest.raises(
+        errors.DataStateError,
+        match=r"not built like the one saved at step 1:\n  pipeline: "
+        r"BatchMapDataset\(batch_size=32, drop_remainder=False\) was saved, "
+        r"BatchMapDataset\(batch_size=64, drop_remainder=False\) is given\n.*data_mismatch_ok",
+    ):
+        reader.restore(1, state=state, data=resumed)  # reading an array would fail here
+    assert resumed.get_state() == {"next_index": 0}  # untouched
+
+    with pytest.raises(errors.RestoreError):  # (what reading the arrays of that copy does)
+        reader.restore(1, state=state, data=pipeline(32))
+
+    same = m.restore(1, state=state, data=pipeline(32)).data
+    np.testing.assert_array_equal(next(same), np.arange(64, 96))  # the third batch of 32
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        changed = m.restore(1, state=state, data=pipeline(64), data_mismatch_ok=True).data
+    assert "batch_size=64" in caplog.text and "data_mismatch_ok=True" in caplog.text
+    np.testing.assert_array_equal(next(changed), np.arange(128, 192))  # its own third batch
+    m.close()
+
+
+def test_a_dataloader_state_into_a_dataset_iterator_or_another_seed_is_refused_first(
+    saved_with_data,
+):
+    m, reader, state = saved_with_data
+    with pytest.raises(
+        errors.DataStateError,
+        match=r"type: a grain\..*DataLoaderIterator was saved, a grain\..*"
+        r"PrefetchDatasetIterator is given",
+    ):
+        reader.restore(2, state=state, data=pipeline(4))  # was a raw TypeError
+    with pytest.raises(
+        errors.DataStateError,
+        match=r"sampler: IndexSampler\(.*seed=1\) was saved, IndexSampler\(.*seed=2\) is given",
+    ):
+        reader.restore(2, state=state, data=loader(2))  # was grain's ValueError, after reading
+
+    expected = loader(1)
+    for _ in range(3):
+        next(expected)
+    resumed = m.restore(2, state=state, data=loader(1)).data
+    np.testing.assert_array_equal(next(resumed), next(expected))
+    # An explicit opt-in skips jaxckpt's check; grain's own still refuses another seed.
+    with pytest.raises(errors.DataStateError, match="the data iterator refused the state"):
+        m.restore(2, state=state, data=loader(2), data_mismatch_ok=True)
+    m.close()
+
+
+def test_each_process_checks_its_own_pipeline_and_all_agree(tmp_path):
+    """Two processes, each reading its shard of the data (`ds[process::2]`): each checks
+    its own iterator against its own record, and when one refuses, both do (no process
+    waits in a read the other never joins)."""
+    body = """
+    import grain
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def data(batch_size):
+        ds = grain.MapDataset.range(64)[PROCESS_ID::NUM_PROCESSES].batch(batch_size)
+        return iter(ds.to_iter_dataset())
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("data")), lambda i: np.ones(8)[i])
+    it = data(4)
+    next(it)
+    with jaxckpt.CheckpointManager(ARGS["dir"]) as m:
+        m.save(1, state={"x": x}, data=it)
+    report = {}
+    with jaxckpt.CheckpointManager(ARGS["dir"], read_only=True) as m:
+        report["resumed"] = next(m.restore(state={"x": x}, data=data(4)).data).tolist()
+        try:  # process 1 changed its batch size
+            m.restore(state={"x": x}, data=data(8 if PROCESS_ID == 1 else 4))
+            report["error"] = None
+        except jaxckpt.errors.DataStateError as e:
+            report["error"] = str(e)
+    print("RESULT " + json.dumps(report))
+    """
+    results = run_job(body, processes=2, devices=4, args={"dir": str(tmp_path / "ckpt")})
+    first, second = (r.report() for r in results)
+    assert first["resumed"] == [8, 10, 12, 14] and second["resumed"] == [9, 11, 13, 15]
+    assert first["error"].startswith("process(es) [1] refused their data iterator for step 1")
+    assert "not built like the one saved at step 1 (process 1)" in second["error"]
+    assert "batch_size=8" in second["error"]
