@@ -464,3 +464,28 @@ def test_each_process_checks_its_own_pipeline_and_all_agree(tmp_path):
     assert first["error"].startswith("process(es) [1] refused their data iterator for step 1")
     assert "not built like the one saved at step 1 (process 1)" in second["error"]
     assert "batch_size=8" in second["error"]
+
+
+def test_iterator_records_on_object_storage_and_damaged_ones(gcs_dir, ckpt_dir):
+    for directory in (gcs_dir, ckpt_dir):
+        it = pipeline(32)
+        next(it)
+        with jaxckpt.CheckpointManager(directory) as m:
+            m.save(1, state={"x": np.ones(2)}, data=it)
+            with pytest.raises(errors.DataStateError, match="batch_size=16"):
+                m.restore(data=pipeline(16))
+            np.testing.assert_array_equal(
+                next(m.restore(data=pipeline(32)).data), np.arange(32, 64)
+            )
+
+    # A description that is not what jaxckpt writes is named, and nothing moves.
+    (ckpt_dir / "1" / "data" / "iterator_0-of-1.json").write_text('{"type": 5}')
+    resumed = pipeline(32)
+    with (
+        jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m,
+        pytest.raises(
+            errors.CorruptCheckpointError, match=r"data/iterator_0-of-1\.json is not an iterator"
+        ),
+    ):
+        m.restore(data=resumed)
+    assert resumed.get_state() == {"next_index": 0}
