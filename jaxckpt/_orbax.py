@@ -11,6 +11,7 @@ when every item is written, so a step directory exists only once committed):
         state/                      the state tree: tensorstore OCDBT, one entry per leaf name
         rng/                        PRNG keys as raw key data (only when rng= was given)
         data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
+        data/iterator_<i>-of-<n>.json what that iterator was (jaxckpt.iterators.describe)
         jaxckpt/jaxckpt.json        leaf specs, user meta, versions: marks a jaxckpt step
         jaxckpt/manifest.json       size + checksum of every file (see jaxckpt.integrity)
         _CHECKPOINT_METADATA, commit_success.txt   Orbax's own
@@ -40,7 +41,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
 )
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import is_remote, open_inside
+from jaxckpt.storage import absolute, is_remote, open_inside
 from jaxckpt.tree import LeafSpec, ReadRequest
 
 log = logging.getLogger("jaxckpt")
@@ -69,13 +70,18 @@ def step_of(name: str) -> int | None:
 
 
 class _DataStateHandler(ocp.CheckpointHandler):
-    """Writes each process's data-iterator state to its own file.
+    """Writes each process's data-iterator state to its own file, and beside it what the
+    iterator was (`jaxckpt.iterators.describe`), checked at restore before any array is
+    read. Per process, as the states are: each process's pipeline reads its own shard.
 
-    The file naming matches grain's own Orbax handler (`process_<i>-of-<n>.json`).
+    The state files are named as grain's own Orbax handler names them
+    (`process_<i>-of-<n>.json`), the descriptions `iterator_<i>-of-<n>.json`.
     """
 
     def save(self, directory: epath.Path, args: DataSave) -> None:
         self._path(directory).write_text(args.text)
+        if args.about is not None:
+            (directory / about_file()).write_text(args.about)
 
     def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
         path = self._path(directory)
@@ -95,10 +101,16 @@ class _DataStateHandler(ocp.CheckpointHandler):
         return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
+def about_file() -> str:
+    """This process's iterator description, in the data item's folder."""
+    return f"iterator_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
 @ocp.args.register_with_handler(_DataStateHandler, for_save=True)
 @dataclasses.dataclass
 class DataSave(ocp.args.CheckpointArgs):
     text: str
+    about: str | None = None
 
 
 @ocp.args.register_with_handler(_DataStateHandler, for_restore=True)
@@ -122,7 +134,7 @@ class OrbaxStore:
     ):
         """`before_commit(step_dir)` runs on process 0 once every item of a step is written
         on every process, just before the step is renamed into place (committed)."""
-        self.directory = epath.Path(directory)
+        self.directory = epath.Path(absolute(directory))
         self._before_commit = before_commit
         self._saving: int | None = None
         self._restore_inflight_bytes = restore_inflight_bytes
@@ -215,6 +227,7 @@ class OrbaxStore:
         rng: Mapping[str, Any],
         data: str | None,
         info: Mapping[str, Any],
+        data_about: str | None = None,
     ) -> None:
         """Starts an async save; returns once device arrays are copied to host memory."""
         args: dict[str, Any] = {INFO: ocp.args.JsonSave(dict(info))}
@@ -226,7 +239,7 @@ class OrbaxStore:
                     arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
         if data is not None:
-            args[DATA] = DataSave(data)
+            args[DATA] = DataSave(data, data_about)
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -311,6 +324,36 @@ class OrbaxStore:
             out.update(got)
         return out
 
+    def read_data_about(self, step: int) -> dict[str, Any] | None:
+        """What this process's data iterator was at save (None: a step saved before jaxckpt
+        recorded it, or by another number of processes); read as a plain file, before any
+        array. CorruptCheckpointError when it is not what jaxckpt writes."""
+        rel = f"{DATA}/{about_file()}"
+        try:
+            with open_inside(self.step_dir(step), rel) as f:
+                about = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, RecursionError) as e:
+            problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CorruptCheckpointError(
+                step, [f"{rel} is unreadable: {problem}"], str(self.directory)
+            ) from None
+        if not (
+            isinstance(about, dict)
+            and isinstance(about.get("type"), str)
+            and all(
+                isinstance(about.get(k, []), list)
+                and all(isinstance(e, str) for e in about.get(k, []))
+                for k in ("state", "pipeline")
+            )
+            and isinstance(about.get("config", {}), dict)
+        ):
+            raise CorruptCheckpointError(
+                step, [f"{rel} is not an iterator description"], str(self.directory)
+            )
+        return about
+
     def read_data_state(self, step: int) -> str:
         with _read_errors(step, DATA, self.directory):
             return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
@@ -379,6 +422,15 @@ def _check_info(doc: Any) -> dict[str, Any]:
                 raise ValueError(f"'items.{item}': {e}") from None
     if doc.get("data") not in (None, "json", "bytes"):
         raise ValueError('\'data\' is not null, "json" or "bytes"')
+    kinds = doc.get("node_types")
+    if kinds is not None and not (
+        isinstance(kinds, dict)
+        and all(
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+            for names in kinds.values()
+        )
+    ):
+        raise ValueError("'node_types' is not an object of lists of type names")
     for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
         if doc.get(key) is not None and not isinstance(doc[key], kind):
             raise ValueError(f"{key!r} is not a {kind.__name__}")

@@ -164,7 +164,9 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def _json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=1))
+    from jaxckpt.tree import strict_json  # a NaN in meta= is the string "NaN" here
+
+    click.echo(json.dumps(strict_json(doc), indent=1, allow_nan=False))
 
 
 @contextlib.contextmanager
@@ -474,6 +476,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxckpt.plan import auto_inflight_bytes, plan_reads
+    from jaxckpt.targets import fitting_spec
     from jaxckpt.tree import ReadRequest
 
     step, info = _info(checkpoint_dir, step)
@@ -488,15 +491,8 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
     sizes = dict(zip(names, shape, strict=True))
 
-    def placed(spec) -> PartitionSpec:
-        saved = spec.spec
-        if saved is None:
-            return PartitionSpec()
-        for dim, entry in zip(spec.shape, saved, strict=False):
-            axes_of = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-            if any(a not in sizes for a in axes_of) or dim % math.prod(sizes[a] for a in axes_of):
-                return PartitionSpec()
-        return saved
+    def placed(spec) -> PartitionSpec:  # the rule target_on_mesh(abstract, mesh) follows
+        return fitting_spec(spec.spec, spec.shape, sizes)
 
     requests, replicated = {}, []
     for spec in specs:

@@ -49,7 +49,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.names import NameMap, Target
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import is_remote
+from jaxckpt.storage import absolute, is_remote
 from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
 
 log = logging.getLogger("jaxckpt")
@@ -119,6 +119,7 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
+    checkpoint_dir, out_dir = absolute(checkpoint_dir), absolute(out_dir)
     out_dir, cast = _out_path(out_dir), _check_output(out_dir, overwrite, dtype)
     limit = parse_size(max_shard_size)
     name_map = NameMap.load(names)
@@ -186,7 +187,7 @@ def _without_keys(
     """Leaves out the PRNG keys the map did not drop: safetensors has no dtype for them."""
     if keys and not skip_unsupported:
         raise UnsupportedValueError(
-            f"PRNG key leaves cannot be safetensors: {keys}; drop them in the name map "
+            f"PRNG key leaves cannot be safetensors: {', '.join(keys)}; drop them in the name map "
             "or pass skip_unsupported=True"
         )
     for name in keys:
@@ -371,6 +372,7 @@ def save_safetensors(
     """
     from jax.experimental import multihost_utils
 
+    out_dir = absolute(out_dir)
     if is_remote(out_dir):
         return _save_safetensors_remote(
             state, out_dir, names, dtype, max_shard_size, metadata, overwrite, skip_unsupported
@@ -584,51 +586,48 @@ def load_safetensors(
     hub cache snapshot may read its repo's blobs); FormatError for anything else, and for
     files or an index the reference loaders would refuse.
     """
-    headers = _open(path)
+    headers = _open(absolute(path))
     name_map = NameMap.load(names)
     pairs, treedef = tree_util.tree_flatten_with_path(target)
-    leaves = [(leaf_name(p), tree_util.keystr(p), leaf) for p, leaf in pairs]
+    # Leaves are named as everywhere in jaxckpt: by their stored (dotted) name.
+    leaves = [(leaf_name(p), leaf) for p, leaf in pairs]
 
     plans, missing, mismatched, used = [], [], [], set()
-    for name, display, leaf in leaves:
+    for name, leaf in leaves:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise UnsupportedValueError(
-                f"target leaf {display} is a {type(leaf).__name__}; give arrays"
+                f"target leaf {name} is a {type(leaf).__name__}; give arrays"
             )
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise UnsupportedValueError(
-                f"target leaf {display} is a PRNG key; safetensors hold none"
-            )
+            raise UnsupportedValueError(f"target leaf {name} is a PRNG key; safetensors hold none")
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(leaf, np.ndarray) and (
             sharding is None
             or isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
         ):
             raise MissingShardingError(
-                f"target leaf {display} has no sharding on concrete devices; build the target "
+                f"target leaf {name} has no sharding on concrete devices; build the target "
                 "with jaxckpt.target_on_mesh / target_from_flax, or give NumPy arrays"
             )
         placed = name_map.place(name, leaf.shape)
         if placed is None:
-            raise TreeMismatchError(
-                f"the name map drops target leaf {display} ({name}); nothing would fill it"
-            )
+            raise TreeMismatchError(f"the name map drops target leaf {name}; nothing would fill it")
         want = _file_shape(placed, leaf.shape)
         for tensor in placed.names:
             used.add(tensor)
             if tensor not in headers:
-                missing.append(f"{tensor} (for {display})")
+                missing.append(f"{tensor} (for {name})")
                 continue
             info = headers[tensor][1]
             if info.shape != want:
                 mismatched.append(
-                    f"{tensor}: shape {info.shape} in the file, {want} expected for {display}"
+                    f"{tensor}: shape {info.shape} in the file, {want} expected for {name}"
                 )
             elif info.dtype != np.dtype(leaf.dtype) and not (
                 _is_float(info.dtype) and _is_float(np.dtype(leaf.dtype))
             ):
                 mismatched.append(
-                    f"{tensor}: dtype {info.dtype} in the file, {leaf.dtype} in the target {display}"
+                    f"{tensor}: dtype {info.dtype} in the file, {leaf.dtype} in the target {name}"
                 )
         plans.append((placed, leaf))
     extra = sorted(n for n in headers if n not in used and not (ignore and re.search(ignore, n)))

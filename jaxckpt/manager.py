@@ -31,11 +31,12 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _orbax, integrity
+from jaxckpt import _orbax, integrity, iterators
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     DataStateError,
+    JaxckptError,
     NoCheckpointError,
     RestoreError,
     SaveError,
@@ -47,7 +48,17 @@ from jaxckpt.lock import writer_lock
 from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
-from jaxckpt.tree import LeafSpec, check_json, flatten, nest, plan_restore, uniform_requests
+from jaxckpt.storage import absolute
+from jaxckpt.tree import (
+    LeafSpec,
+    check_json,
+    flatten,
+    nest,
+    node_types,
+    plan_restore,
+    replicated_sharding,
+    uniform_requests,
+)
 
 log = logging.getLogger("jaxckpt")
 
@@ -76,7 +87,8 @@ class CheckpointManager:
     """Saves and restores a whole training state asynchronously, one folder per step.
 
     Args:
-      directory: where the steps live; created if missing.
+      directory: where the steps live; created if missing. A relative path is resolved
+        against the working directory here, once.
       policy: when `should_save(step)` is true.
       retention: which committed steps to keep; the others are deleted after each commit.
       preemption: how a preemption notice (SIGTERM by default) makes `should_save` true.
@@ -131,6 +143,7 @@ class CheckpointManager:
             raise ConfigError(f"writer_lease_s must be a positive number, got {writer_lease_s!r}")
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
+        directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
         self._lock = None
@@ -233,7 +246,7 @@ class CheckpointManager:
         with _gc_paused():
             state_arrays, state_specs = flatten(state, item="state")
             rng_arrays, rng_specs = flatten(rng, item="rng")
-        data_text, data_kind = _data_state(data)
+        data_text, data_kind, data_about = _data_state(data)
 
         self._finish_pending()
         # One stat on the blocking path; the directory is listed only to word the refusal.
@@ -260,11 +273,18 @@ class CheckpointManager:
                     _orbax.RNG: [s.to_json() for s in rng_specs],
                 },
                 "data": data_kind,
+                # what a restore without an rng= target could not rebuild (nnx.Rngs state)
+                "node_types": {_orbax.RNG: node_types(rng)},
                 "meta": meta,
             }
             try:
                 self._store.save(
-                    step, state=state_arrays, rng=rng_arrays, data=data_text, info=info
+                    step,
+                    state=state_arrays,
+                    rng=rng_arrays,
+                    data=data_text,
+                    info=info,
+                    data_about=data_about,
                 )
             except Exception as e:
                 raise self._save_error(step, e, background=False) from e
@@ -293,8 +313,17 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()  # a failed save raises SaveError here
+            return
+        # The body's own error is what the user must see: a save failing meanwhile is
+        # logged and noted on it, never raised in its place.
+        try:
+            self.close()
+        except Exception as e:
+            log.error("%s (while the with-block raised %s)", e, type(exc).__name__)
+            exc.add_note(f"jaxckpt: on leaving the with-block: {type(e).__name__}: {e}")
 
     # ---------------------------------------------------------------------------- restore
 
@@ -307,6 +336,7 @@ class CheckpointManager:
         data: Any = None,
         partial: bool = False,
         fallback: bool = False,
+        data_mismatch_ok: bool = False,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
@@ -323,17 +353,25 @@ class CheckpointManager:
             used), NumPy arrays (restored on the host) or Python scalars. Its shardings decide
             where the data lands. None restores the saved tree as host NumPy arrays.
           rng: a target for the PRNG keys, like `state`. None puts them replicated on the
-            devices of the state target (on the host when there is no state target).
+            devices of the state target (on the host when there is no state target), as
+            nested dicts/lists; keys saved from other node types (`nnx.state(rngs)`) need a
+            target of that kind (TreeMismatchError without one).
           data: an iterator with `set_state`; it is moved to the saved position in place,
-            after everything else was read successfully.
+            after everything else was read successfully. It must be built like the saved
+            one (type, state fields, grain pipeline or DataLoader sampler and source, see
+            `jaxckpt.iterators`): a mismatch is a DataStateError before any array is read.
           partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
             of a saved `{"params", "opt_state"}`); the rest is not read.
           fallback: with `step=None`, move to older steps while the newest does not verify.
+          data_mismatch_ok: move `data` to the saved position even though it is not built
+            like the saved iterator (a deliberate change, e.g. another batch size); what
+            changed is logged. The iterator's own `set_state` may still refuse the state.
         """
         self._check_open()
+        data_ok = (data, data_mismatch_ok)
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
-                return self._restore_newest(step, state, rng, data, partial, fallback)
+                return self._restore_newest(step, state, rng, data_ok, partial, fallback)
             except _Deleted as e:
                 if step is not None:
                     raise self._deleted(e.step) from e.__cause__
@@ -344,12 +382,12 @@ class CheckpointManager:
             "job keeps (step=...), or stop it first."
         )
 
-    def _restore_newest(self, step, state, rng, data, partial, fallback) -> Restored:
+    def _restore_newest(self, step, state, rng, data_ok, partial, fallback) -> Restored:
         skipped = []
         for candidate in self._candidates(step, fallback):
             try:
                 with _gc_paused():
-                    return self._restore_verified(candidate, state, rng, data, partial)
+                    return self._restore_verified(candidate, state, rng, data_ok, partial)
             except Exception as e:
                 if candidate not in self._store.committed_steps():
                     raise _Deleted(candidate) from e
@@ -396,7 +434,7 @@ class CheckpointManager:
         log.info("restoring the latest committed step %d from %s", steps[-1], self.directory)
         return sorted(steps, reverse=True) if fallback else [steps[-1]]
 
-    def _restore_verified(self, step, state, rng, data, partial) -> Restored:
+    def _restore_verified(self, step, state, rng, data_ok, partial) -> Restored:
         """Restores a step; with `verify_on_restore`, only if its files match the manifest.
 
         One process hashes the files in a worker thread while it reads the arrays, and
@@ -404,27 +442,84 @@ class CheckpointManager:
         agree on the verdict (a collective), then read, so no process reads a corrupt step
         that another refuses.
         """
+        data, mismatch_ok = data_ok
         # Before Orbax or tensorstore opens anything: a link could lead out of the directory.
         self._check(step, integrity.unsafe_entries(self._store.step_dir(step)))
         if self._verify and jax.process_count() > 1:
             self._check(step, self._verify_share(step))
+        info = None
+        if data is not None:  # before any array is read (and, on one process, any file hashed)
+            info = self._read_info(step)
+            self._check_data(step, info, data, mismatch_ok)
         if self._verify and jax.process_count() == 1:
             with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
                 report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
                 try:
-                    info = self._read_info(step)
+                    info = info or self._read_info(step)
                     restored = self._restore_step(step, info, state, rng, partial)
                 except Exception:
                     self._check(step, report.result().problems)  # corruption explains it
                     raise
                 self._check(step, report.result().problems)
         else:
-            info = self._read_info(step)
+            info = info or self._read_info(step)
             restored = self._restore_step(step, info, state, rng, partial)
         if data is not None:  # last: after everything else was read (and verified)
             _restore_data(data, step, info.get("data"), self._store)
             restored = dataclasses.replace(restored, data=data)
         return restored
+
+    def _check_data(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> None:
+        """Refuses, before any array is read, a data iterator unlike the one saved (or one
+        for a step saved without data=). Every process decides on its own iterator, then all
+        agree (a collective), so that none reads arrays while another gave up."""
+        if data is None:
+            return
+        try:
+            problem = self._data_problem(step, info, data, mismatch_ok)
+        except JaxckptError as e:  # a damaged description: raised once all processes know
+            problem = e
+        if jax.process_count() > 1:
+            refused = np.ravel(multihost_utils.process_allgather(np.int32(problem is not None)))
+            if problem is None and refused.any():
+                found = [i for i, r in enumerate(refused) if r]
+                problem = (
+                    f"process(es) {found} refused their data iterator for step {step} (their "
+                    "errors say why); nothing was read"
+                )
+        if isinstance(problem, Exception):
+            raise problem
+        if problem is not None:
+            raise DataStateError(problem)
+
+    def _data_problem(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> str | None:
+        if not callable(getattr(data, "set_state", None)):
+            return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
+        if info.get("data") is None:
+            return (
+                f"step {step} holds no data-iterator state (it was saved without data=); "
+                "restore without data= or from a step saved with it"
+            )
+        saved = self._store.read_data_about(step)  # None: saved before jaxckpt recorded it
+        changed = iterators.differences(saved, iterators.describe(data)) if saved else []
+        if not changed:
+            return None
+        if mismatch_ok:
+            log.warning(
+                "restore: the data iterator differs from the one saved at step %d "
+                "(data_mismatch_ok=True): %s",
+                step,
+                "; ".join(changed),
+            )
+            return None
+        where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+        return (
+            f"the data iterator is not built like the one saved at step {step}{where}:\n  "
+            + "\n  ".join(changed)
+            + "\nBuild it like the saved one to resume the same data order; for a deliberate "
+            "change, pass data_mismatch_ok=True to move it to the saved position all the "
+            "same. Nothing was read."
+        )
 
     def _verify_share(self, step: int) -> tuple[str, ...]:
         """Each process checks a share of the step's files; all agree on the verdict."""
@@ -455,11 +550,21 @@ class CheckpointManager:
         items = info["items"]
         state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
         rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
+        kinds = (info.get("node_types") or {}).get(_orbax.RNG)
+        if rng is None and rng_specs and kinds:  # before any array is read
+            raise TreeMismatchError(
+                f"the PRNG keys of step {step} were saved from a tree of {', '.join(kinds)}, "
+                "which a restore without an rng= target cannot rebuild: it would return "
+                "nested dicts that e.g. nnx.update takes silently and dropout later fails on. "
+                "Pass rng= an object of the same kind, built like the saved one (for "
+                "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
+                "streams, then nnx.update(rngs, restored.rng))."
+            )
         restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None, partial)
         restored_rng = None
         if rng_specs:
             restored_rng = self._read_tree(
-                step, _orbax.RNG, rng_specs, rng, _replicated(state), False
+                step, _orbax.RNG, rng_specs, rng, replicated_sharding(state), False
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
@@ -495,7 +600,9 @@ class CheckpointManager:
         if target is None:
             arrays = self._store.read_arrays(step, item, uniform_requests(specs, default_sharding))
             return nest(specs, arrays)
-        requests, rebuild = plan_restore(target, specs, item=item, step=step, partial=partial)
+        requests, rebuild = plan_restore(
+            target, specs, item=item, step=step, partial=partial, home=default_sharding
+        )
         return rebuild(self._store.read_arrays(step, item, requests))
 
     # ---------------------------------------------------------------------------- internals
@@ -587,38 +694,32 @@ def _check_step(step: Any) -> int:
     return value
 
 
-def _data_state(data: Any) -> tuple[str | None, str | None]:
-    """Snapshots the iterator's state now, as text to store and its kind."""
+def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
+    """Snapshots the iterator's state now: as text to store, its kind, and what the
+    iterator is (`iterators.describe`, as JSON text)."""
     if data is None:
-        return None, None
+        return None, None, None
     if not callable(getattr(data, "get_state", None)):
         raise DataStateError(
             f"data= takes an iterator with get_state() and set_state() (e.g. a grain "
             f"DatasetIterator); got a {type(data).__name__}"
         )
     state = data.get_state()
+    about = json.dumps(iterators.describe(data, state))
     if isinstance(state, bytes):  # grain's DataLoaderIterator: JSON text as bytes
         try:
-            return state.decode("utf-8"), "bytes"
+            return state.decode("utf-8"), "bytes", about
         except UnicodeDecodeError:
             raise DataStateError(
                 "data.get_state() returned bytes that are not UTF-8 text; jaxckpt stores "
                 "iterator states as text (JSON or UTF-8 bytes)"
             ) from None
     check_json(state, "data.get_state()")
-    return json.dumps(state), "json"
+    return json.dumps(state), "json", about
 
 
 def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxStore) -> None:
-    if not callable(getattr(data, "set_state", None)):
-        raise DataStateError(
-            f"data= takes an iterator with set_state(); got a {type(data).__name__}"
-        )
-    if kind is None:
-        raise DataStateError(
-            f"step {step} holds no data-iterator state (it was saved without data=); "
-            "restore without data= or from a step saved with it"
-        )
+    """Moves `data` to the saved position (checked beforehand by `_check_data`)."""
     try:
         text = store.read_data_state(step)
     except RestoreError as e:
@@ -641,15 +742,3 @@ def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxSto
             f"{e}. Restore into an iterator built like the one that was saved (same type, "
             "dataset and options)."
         ) from e
-
-
-def _replicated(target: Any) -> jax.sharding.Sharding | None:
-    """Full replication over the target's mesh (or its one device); None: on the host."""
-    shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(target)]
-    for sharding in shardings:
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    for sharding in shardings:
-        if sharding is not None and len(sharding.device_set) == 1:
-            return sharding
-    return None

@@ -32,6 +32,18 @@ def is_remote(path: str | os.PathLike) -> bool:
     return "://" in str(path)
 
 
+def absolute(path: Any) -> Any:
+    """A local path made absolute, once, where a directory enters jaxckpt; URLs unchanged.
+
+    Orbax and tensorstore take only absolute paths, and refused a relative one late: at the
+    background write of the first save (raised by the next save or close), or as a raw
+    error on restore. Resolved at the boundary, a later `os.chdir` cannot move it either.
+    """
+    if is_remote(path):
+        return path
+    return os.path.abspath(os.fspath(path))
+
+
 def gcs_blob(path: str | os.PathLike) -> Any:
     """The `google.cloud.storage.Blob` at `gs://bucket/name`."""
     text = str(path)

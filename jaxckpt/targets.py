@@ -18,7 +18,9 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,10 +28,36 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxckpt.errors import ConfigError
+from jaxckpt.tree import leaf_name, replicated_sharding
+
+log = logging.getLogger("jaxckpt")
 
 
 def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
+
+
+def fitting_spec(
+    spec: PartitionSpec | None, shape: Sequence[int], mesh_axes: Mapping[str, int]
+) -> PartitionSpec:
+    """`spec` if it fits a mesh with these axis sizes, else replicated (`PartitionSpec()`).
+
+    A spec fits when the mesh has every axis it names and they divide the dimensions they
+    split. The one rule for a leaf that keeps its own spec on another mesh: in
+    `target_on_mesh(abstract, mesh)` and in `jaxckpt plan`.
+
+    >>> fitting_spec(PartitionSpec("data", "model"), (8, 4), {"data": 8})
+    P()
+    >>> fitting_spec(PartitionSpec("data"), (8, 4), {"data": 8})
+    P('data',)
+    """
+    if spec is None or len(spec) > len(shape):
+        return PartitionSpec()
+    for dim, entry in zip(shape, spec, strict=False):
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if any(a not in mesh_axes for a in axes) or dim % math.prod(mesh_axes[a] for a in axes):
+            return PartitionSpec()
+    return spec
 
 
 def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
@@ -41,15 +69,38 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
         (restored on the host).
       mesh: a concrete device mesh; its axis types (Auto or Explicit) are kept.
       specs: a PartitionSpec tree matching `abstract` (None entries: replicated), or one
-        PartitionSpec for every leaf. None: each leaf keeps the spec of its own NamedSharding
-        (e.g. from `nnx.eval_shape` under `jax.set_mesh`), replicated where it has none.
+        PartitionSpec for every leaf; a spec naming an axis the mesh lacks is a ConfigError.
+        None: each leaf keeps the spec of its own NamedSharding (e.g. live arrays on another
+        mesh, or `nnx.eval_shape` under `jax.set_mesh`) where it fits `mesh` (`fitting_spec`,
+        the rule `jaxckpt plan` uses), and is replicated otherwise: the leaves that fell
+        back to replicated are logged.
     """
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
-    if specs is None or isinstance(specs, PartitionSpec):
-        return jax.tree.map(lambda leaf: _place(leaf, mesh, specs), abstract)
+    if specs is None:
+        fell_back: list[str] = []
+        placed = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: _place_own(path, leaf, mesh, fell_back), abstract
+        )
+        if fell_back:
+            log.warning(
+                "target_on_mesh: %d leaves placed replicated, their spec does not fit the "
+                "mesh %s: %s",
+                len(fell_back),
+                dict(mesh.shape),
+                ", ".join(fell_back),
+            )
+        return placed
+    if isinstance(specs, PartitionSpec):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: _place(path, leaf, mesh, specs), abstract
+        )
     try:
-        return jax.tree.map(lambda leaf, spec: _place(leaf, mesh, spec), abstract, specs)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf, spec: _place(path, leaf, mesh, spec), abstract, specs
+        )
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(
             f"the PartitionSpec tree does not match the abstract tree: {e}. Give one spec per "
@@ -57,12 +108,32 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
         ) from None
 
 
-def _place(leaf: Any, mesh: Mesh, spec: PartitionSpec | None) -> Any:
-    if not hasattr(leaf, "shape") or isinstance(leaf, np.ndarray | np.generic):
+def _is_array_like(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and not isinstance(leaf, np.ndarray | np.generic)
+
+
+def _place_own(path: tuple, leaf: Any, mesh: Mesh, fell_back: list[str]) -> Any:
+    if not _is_array_like(leaf):
         return leaf
-    if spec is None:
-        own = getattr(leaf, "sharding", None)
-        spec = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
+    own = getattr(leaf, "sharding", None)
+    spec = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
+    fitted = fitting_spec(spec, leaf.shape, dict(mesh.shape))
+    if fitted != spec:
+        fell_back.append(leaf_name(path))
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, fitted))
+
+
+def _place(path: tuple, leaf: Any, mesh: Mesh, spec: PartitionSpec | None) -> Any:
+    if not _is_array_like(leaf):
+        return leaf
+    spec = PartitionSpec() if spec is None else spec
+    named = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    if missing := sorted(named - set(mesh.axis_names)):
+        raise ConfigError(
+            f"leaf {leaf_name(path)}: its PartitionSpec {spec} names the axis "
+            f"{', '.join(map(repr, missing))}, which the mesh {dict(mesh.shape)} lacks. Use "
+            "the mesh's axes, or None to replicate that dimension."
+        )
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
 
@@ -96,12 +167,16 @@ def target_like(state: Any) -> Any:
     """The target of a live state: each array leaf's shape, dtype and current sharding.
 
     Unlike passing the live state itself, the result holds no device memory, so the live
-    arrays may be deleted before restoring.
+    arrays may be deleted before restoring. Uncommitted arrays (the scalars `optax` and
+    `nnx.Optimizer` make on device 0) are placed replicated on the mesh of the other
+    leaves, as a restore into the live state itself places them.
     """
+    home = replicated_sharding(state)
 
     def abstract(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+            sharding = home if home is not None and not leaf.committed else leaf.sharding
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
         return leaf
 
     return jax.tree.map(abstract, state)

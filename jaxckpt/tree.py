@@ -59,7 +59,8 @@ class LeafSpec:
 
     @property
     def display(self) -> str:
-        """The leaf path as `jax.tree_util.keystr` writes it: `['params']['w']`."""
+        """The leaf as errors name it: its stored name (`params.w`), which `jaxckpt inspect`
+        lists and its `--filter` matches."""
         return _display(self.path)
 
     def to_json(self) -> dict[str, Any]:
@@ -207,8 +208,8 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
         name = _name(entries)
         if name in seen:
             raise UnsupportedValueError(
-                f"{item} leaves {_display(seen[name])} and {_display(entries)} both map to the stored name "
-                f"{name!r}; rename one of the keys (stored names join the path with '.')."
+                f"{item} leaves {_keystr(seen[name])} and {_keystr(entries)} both map to the stored "
+                f"name {name!r}; rename one of the keys (stored names join the path with '.')."
             )
         seen[name] = entries
         arrays[name], spec = _encode(leaf, name, entries, item)
@@ -254,6 +255,25 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
     )
 
 
+_PLAIN_NODES = (dict, list, tuple, type(None))
+
+
+def node_types(tree: Any) -> list[str]:
+    """The qualified names of the tree's node types other than dict, list, tuple and None:
+    those a restore without a target cannot rebuild (it returns nested dicts and lists)."""
+    found: set[type] = set()
+    stack = [tree_util.tree_structure(tree)]
+    while stack:
+        treedef = stack.pop()
+        data = treedef.node_data()
+        if data is None:  # a leaf
+            continue
+        if data[0] not in _PLAIN_NODES:
+            found.add(data[0])
+        stack.extend(treedef.children())
+    return sorted(f"{t.__module__}.{t.__qualname__}" for t in found)
+
+
 @functools.lru_cache(maxsize=256)  # save blocks on this
 def _storable(dtype: np.dtype) -> bool:
     """Whether the storage (tensorstore) has the dtype: not strings, dates, records, uint4."""
@@ -291,8 +311,13 @@ MAX_JSON_DEPTH = 200  # far below where Python's json (and most others) stop rea
 
 
 def check_json(value: Any, path: str = "meta") -> None:
-    """Raises UnsupportedValueError naming the first value that is not strict JSON, or that
-    JSON readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print."""
+    """Raises UnsupportedValueError naming the first value that is not JSON, or that JSON
+    readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print.
+
+    NaN and infinities are kept (a NaN loss in `meta=` must not stop training): Python's
+    json writes and reads them as the tokens NaN, Infinity and -Infinity, which strict JSON
+    lacks; `strict_json` turns them into those strings for output that must be strict.
+    """
     stack = [(value, path, 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -311,10 +336,6 @@ def check_json(value: Any, path: str = "meta") -> None:
                 )
             continue
         if isinstance(value, float):
-            if not math.isfinite(value):
-                raise UnsupportedValueError(
-                    f"{path} is {value!r}, which JSON cannot represent; store it as a string or None."
-                )
             continue
         if isinstance(value, Mapping):
             for k in value:
@@ -332,10 +353,25 @@ def check_json(value: Any, path: str = "meta") -> None:
             continue
         raise UnsupportedValueError(
             f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
-            "which is not JSON. meta= takes dicts with string keys, lists, strings, finite numbers, "
+            "which is not JSON. meta= takes dicts with string keys, lists, strings, numbers, "
             "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
             "str() for a path, or keep arrays in state=)."
         )
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with NaN and infinities as the strings "NaN", "Infinity" and "-Infinity" (the
+    tokens Python's json writes for them), for documents that must be strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NON_FINITE[repr(value)]
+    if isinstance(value, Mapping):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _printable(value: int) -> bool:
@@ -351,14 +387,23 @@ def _printable(value: int) -> bool:
 
 
 def plan_restore(
-    target: Any, saved: Sequence[LeafSpec], *, item: str, step: int, partial: bool = False
+    target: Any,
+    saved: Sequence[LeafSpec],
+    *,
+    item: str,
+    step: int,
+    partial: bool = False,
+    home: jax.sharding.Sharding | None = None,
 ) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
     """Checks `target` against the saved specs and says what to read and how to rebuild.
 
     Returns the read requests by stored name and a function that turns the arrays read into
     a tree with the target's structure and leaf types. With `partial`, saved leaves that the
-    target lacks are allowed (and not read).
+    target lacks are allowed (and not read). Uncommitted live arrays in the target land
+    replicated on the mesh of its other leaves (`replicated_sharding`), or on `home` when
+    the target places nothing.
     """
+    home = replicated_sharding(target) or home
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     by_name = {s.name: s for s in saved}
     target_leaves: dict[str, tuple[tuple, Any]] = {}
@@ -367,8 +412,8 @@ def plan_restore(
         name = _name(entries)
         if name in target_leaves:
             raise TreeMismatchError(
-                f"{item} target leaves {_display(target_leaves[name][0])} and "
-                f"{_display(entries)} both stand for the stored name {name!r} (stored names "
+                f"{item} target leaves {_keystr(target_leaves[name][0])} and "
+                f"{_keystr(entries)} both stand for the stored name {name!r} (stored names "
                 "join the path with '.'), so no checkpoint can fill both; rename one key."
             )
         target_leaves[name] = (entries, leaf)
@@ -396,7 +441,7 @@ def plan_restore(
         if problem:
             mismatches.append(f"  leaf {spec.display}: {problem}")
             continue
-        sharding = _target_sharding(leaf)
+        sharding = _target_sharding(leaf, home)
         if sharding is _MISSING:
             unsharded.append(spec.display)
             continue
@@ -470,7 +515,43 @@ def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
 _MISSING = object()
 
 
-def _target_sharding(leaf: Any) -> Any:
+def replicated_sharding(target: Any) -> jax.sharding.Sharding | None:
+    """Full replication over the mesh of the target's placed leaves (or over its one
+    device); None when it places nothing (host arrays, scalars, uncommitted arrays only).
+
+    Where uncommitted arrays of a target land, and PRNG keys restored without a target:
+    `optax.adam(...).init`, `nnx.Optimizer`, `nnx.MultiMetric` and `nnx.Rngs` make scalars
+    uncommitted on device 0 beside parameters on a mesh. Restored onto device 0 they would
+    be committed there, and the next jitted step would refuse arguments on two device sets.
+    """
+    shardings = [
+        leaf.sharding
+        for leaf in jax.tree.leaves(target)
+        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
+        and getattr(leaf, "sharding", None) is not None
+        and not _uncommitted(leaf)
+    ]
+    for sharding in shardings:
+        if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
+            sharding.mesh, jax.sharding.AbstractMesh
+        ):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    for sharding in shardings:
+        if not isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) and (
+            len(sharding.device_set) == 1
+        ):
+            return sharding
+    return None
+
+
+def _uncommitted(leaf: Any) -> bool:
+    """A live array JAX may still move (made without a device: `jnp.zeros([])`)."""
+    return isinstance(leaf, jax.Array) and not leaf.committed
+
+
+def _target_sharding(leaf: Any, home: jax.sharding.Sharding | None = None) -> Any:
+    if home is not None and _uncommitted(leaf):
+        return home
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         sharding = getattr(leaf, "sharding", None)
         if sharding is None or isinstance(
@@ -557,6 +638,13 @@ def _name(entries: tuple[tuple[str, Any], ...]) -> str:
 
 
 def _display(entries: Sequence[tuple[str, Any]]) -> str:
+    """How errors name a leaf: its stored name, the one spelling the CLI uses too."""
+    return _name(entries) if entries else "_ (the tree's root)"
+
+
+def _keystr(entries: Sequence[tuple[str, Any]]) -> str:
+    """The path as `jax.tree_util.keystr` writes it (`['params']['w']`): only where the
+    stored name cannot tell two leaves apart."""
     parts = []
     for kind, key in entries:
         if kind == "attr":

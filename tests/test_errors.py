@@ -2,7 +2,6 @@
 nothing already saved."""
 
 import contextlib
-import math
 import re
 
 import jax
@@ -187,7 +186,7 @@ def test_target_missing_a_saved_leaf(saved, mesh):
     with pytest.raises(
         errors.TreeMismatchError,
         match=r"state target does not match the state saved at step 5:\n"
-        r"  in the checkpoint but not in the target: \['params'\]\['w2'\]",
+        r"  in the checkpoint but not in the target: params\.w2\n",
     ) as info:
         m.restore(state=target, data=it)
     assert "in the target but not in the checkpoint" not in str(info.value)
@@ -202,8 +201,8 @@ def test_target_with_an_extra_leaf(saved, mesh):
     target["opt"] = [target["params"]["w1"]]
     with pytest.raises(
         errors.TreeMismatchError,
-        match=r"in the target but not in the checkpoint: \['opt'\]\[0\], \['params'\]\['w3'\]"
-        r"|in the target but not in the checkpoint: \['params'\]\['w3'\], \['opt'\]\[0\]",
+        match=r"in the target but not in the checkpoint: opt\.0, params\.w3"
+        r"|in the target but not in the checkpoint: params\.w3, opt\.0",
     ) as info:
         m.restore(2, state=target)
     assert "at step 2" in str(info.value)
@@ -218,8 +217,8 @@ def test_target_missing_and_extra_leaves_together(saved, mesh):
     with pytest.raises(errors.TreeMismatchError) as info:
         m.restore(1, state=target)
     message = str(info.value)
-    assert re.search(r"in the target but not in the checkpoint: \['params'\]\['w3'\]", message)
-    assert re.search(r"in the checkpoint but not in the target: \['params'\]\['w2'\]", message)
+    assert re.search(r"in the target but not in the checkpoint: params\.w3", message)
+    assert re.search(r"in the checkpoint but not in the target: params\.w2", message)
     intact()
 
 
@@ -239,7 +238,7 @@ def test_shape_mismatch(saved, mesh):
     with pytest.raises(
         errors.LeafMismatchError,
         match=r"state target differs from the state saved at step 5:\n"
-        r"  leaf \['params'\]\['w1'\]: shape \(4, 8\) dtype float32 in the target "
+        r"  leaf params\.w1: shape \(4, 8\) dtype float32 in the target "
         r"but shape \(8, 8\) dtype float32 in the checkpoint",
     ):
         m.restore(state=target)
@@ -252,7 +251,7 @@ def test_dtype_mismatch(saved, mesh):
     target["params"]["w2"] = jnp.zeros(16, jnp.float32)  # a live array of another dtype
     with pytest.raises(
         errors.LeafMismatchError,
-        match=r"leaf \['params'\]\['w2'\]: shape \(16,\) dtype float32 in the target "
+        match=r"leaf params\.w2: shape \(16,\) dtype float32 in the target "
         r"but shape \(16,\) dtype bfloat16 in the checkpoint",
     ):
         m.restore(1, state=target)
@@ -269,17 +268,17 @@ def test_several_leaf_mismatches_are_all_reported(saved, mesh):
         m.restore(2, state=target)
     message = str(info.value)
     assert re.search(
-        r"\['params'\]\['w1'\]: shape \(8, 8\) dtype int32 in the target but "
+        r"leaf params\.w1: shape \(8, 8\) dtype int32 in the target but "
         r"shape \(8, 8\) dtype float32 in the checkpoint",
         message,
     )
     assert re.search(
-        r"\['params'\]\['w2'\]: shape \(15,\) dtype bfloat16 in the target but "
+        r"leaf params\.w2: shape \(15,\) dtype bfloat16 in the target but "
         r"shape \(16,\) dtype bfloat16 in the checkpoint",
         message,
     )
     assert re.search(
-        r"\['step'\]: a Python float in the target but shape \(\) dtype int64 in the checkpoint",
+        r"leaf step: a Python float in the target but shape \(\) dtype int64 in the checkpoint",
         message,
     )
     intact()
@@ -291,7 +290,7 @@ def test_key_target_of_another_impl(mesh, ckpt_dir):
         m.wait()
         with pytest.raises(
             errors.LeafMismatchError,
-            match=r"leaf \['k'\]: shape \(\) dtype key<fry> in the target "
+            match=r"leaf k: shape \(\) dtype key<fry> in the target "
             r"but shape \(\) dtype key<rbg> in the checkpoint",
         ):
             m.restore(rng={"k": jax.random.key(1)})
@@ -308,7 +307,7 @@ def test_shape_dtype_struct_without_sharding(saved, mesh):
     target["params"]["w2"] = jax.ShapeDtypeStruct((16,), jnp.bfloat16)
     with pytest.raises(
         errors.MissingShardingError,
-        match=r"state target leaves have no sharding.*: \['params'\]\['w2'\]\. "
+        match=r"state target leaves have no sharding.*: params\.w2\. "
         r"Build the target with jaxckpt\.target_on_mesh",
     ):
         m.restore(state=target)
@@ -316,9 +315,7 @@ def test_shape_dtype_struct_without_sharding(saved, mesh):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "sharding") else x,
         jaxckpt.target_like(make_state(mesh, 1)),
     )
-    with pytest.raises(
-        errors.MissingShardingError, match=r"\['params'\]\['w1'\], \['params'\]\['w2'\]"
-    ):
+    with pytest.raises(errors.MissingShardingError, match=r"params\.w1, params\.w2"):
         m.restore(1, state=all_unsharded)
     intact()
 
@@ -345,25 +342,19 @@ def _fn():
             {"metrics": {"loss": np.float32(0.5)}},
             r"meta\['metrics'\]\['loss'\] is a numpy\.float32 .*\.item\(\) for a NumPy scalar",
         ),
-        ({"metrics": [1.0, math.nan]}, r"meta\['metrics'\]\[1\] is nan, which JSON cannot"),
-        ({"metrics": [{"x": -math.inf}]}, r"meta\['metrics'\]\[0\]\['x'\] is -inf"),
         ({"config": {1: "a"}}, r"meta\['config'\] has the key 1 of type int; JSON object keys"),
         ({"config": {("a", "b"): 1}}, r"meta\['config'\] has the key \('a', 'b'\) of type tuple"),
         ({"array": np.zeros(3)}, r"meta\['array'\] is a numpy\.ndarray .*keep arrays in state="),
         ({"path": {1, 2}}, r"meta\['path'\] is a builtins\.set"),
-        (float("nan"), r"meta is nan"),
     ],
     ids=[
         "function",
         "lambda",
         "numpy-scalar",
-        "nan",
-        "inf",
         "int-key",
         "tuple-key",
         "array",
         "set",
-        "root-nan",
     ],
 )
 def test_non_json_meta_is_rejected_by_save(saved, mesh, ckpt_dir, meta, pattern):
@@ -393,16 +384,16 @@ class Opaque:
     [
         (
             {"params": {"w": np.zeros(2)}, "cfg": {"name": "run"}},
-            r"state leaf \['cfg'\]\['name'\] is a builtins\.str .*which jaxckpt cannot save",
+            r"state leaf cfg\.name is a builtins\.str .*which jaxckpt cannot save",
         ),
         (
             {"layers": [np.zeros(2), Opaque()]},
-            r"state leaf \['layers'\]\[1\] is a .*Opaque .*which jaxckpt cannot save",
+            r"state leaf layers\.1 is a .*Opaque .*which jaxckpt cannot save",
         ),
-        ({"z": 1 + 2j}, r"state leaf \['z'\] is a builtins\.complex"),
+        ({"z": 1 + 2j}, r"state leaf z is a builtins\.complex"),
         (
             {"objs": np.array([object()], dtype=object)},
-            r"state leaf \['objs'\] is a numpy\.ndarray",
+            r"state leaf objs is a numpy\.ndarray",
         ),
         (
             {"a.b": np.zeros(1), "a": {"b": np.ones(1)}},
@@ -423,9 +414,7 @@ def test_unsupported_state_leaf(saved, ckpt_dir, state, pattern):
 
 def test_unsupported_rng_leaf(saved, ckpt_dir):
     m, intact = saved
-    with pytest.raises(
-        errors.UnsupportedValueError, match=r"rng leaf \['seed'\] is a builtins\.str"
-    ):
+    with pytest.raises(errors.UnsupportedValueError, match=r"rng leaf seed is a builtins\.str"):
         m.save(9, state={"x": np.zeros(1)}, rng={"seed": "42"})
     intact()
 
@@ -437,7 +426,7 @@ def test_python_int_too_large_for_any_integer_dtype(ckpt_dir):
         m.save(1, state={"x": np.ones(2)})
         m.wait()
         try:
-            with pytest.raises(errors.UnsupportedValueError, match=r"state leaf \['big'\]"):
+            with pytest.raises(errors.UnsupportedValueError, match=r"state leaf big "):
                 m.save(2, state={"x": np.ones(2), "big": 2**70})
         finally:
             with contextlib.suppress(errors.SaveError):  # what save should have refused

@@ -239,7 +239,7 @@ def test_keys_are_skipped_with_a_note_or_refused(small_checkpoint, tmp_path, cap
     assert result.skipped == ("key",) and result.tensors == 2
     assert "skipping key (a PRNG key" in caplog.text
     with pytest.raises(
-        errors.UnsupportedValueError, match=r"PRNG key leaves cannot be safetensors: \['key'\]"
+        errors.UnsupportedValueError, match=r"PRNG key leaves cannot be safetensors: key;"
     ):
         jaxckpt.export_safetensors(small_checkpoint, tmp_path / "out2", skip_unsupported=False)
 
@@ -304,7 +304,7 @@ def test_missing_extra_and_mismatched_tensors_on_import(small_checkpoint, tmp_pa
         jaxckpt.load_safetensors(
             path, {"a": {"w": np.zeros((2, 3), np.int32)}, "b": {"w": np.zeros(3, np.float32)}}
         )
-    with pytest.raises(errors.MissingShardingError, match=r"\['a'\]\['w'\] has no sharding"):
+    with pytest.raises(errors.MissingShardingError, match=r"target leaf a\.w has no sharding"):
         jaxckpt.load_safetensors(
             path,
             {

@@ -141,7 +141,9 @@ def test_partial_restore_of_a_subtree(mesh, ckpt_dir):
 
 def test_strict_targets(saved, ckpt_dir):
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
-        with pytest.raises(errors.MissingShardingError, match=r"\['w'\]"):
+        with pytest.raises(
+            errors.MissingShardingError, match=r"leaves have no sharding.*: (.*, )?w(,|\.)"
+        ):
             m.restore(state=abstract(saved))  # no sharding: never fall back to the saved one
         mesh = make_mesh((2, 4), ("data", "model"))
         target = jaxckpt.target_on_mesh(abstract(saved), mesh, SPECS_24)
@@ -149,7 +151,7 @@ def test_strict_targets(saved, ckpt_dir):
             (6, 10), jnp.int32, sharding=NamedSharding(mesh, P("model"))
         )
         with pytest.raises(
-            errors.ShardingError, match=r"leaf \['odd'\] of shape \(6, 10\) cannot be placed"
+            errors.ShardingError, match=r"leaf odd of shape \(6, 10\) cannot be placed"
         ):
             m.restore(state=target)
 
@@ -255,7 +257,9 @@ def test_plan_reports_per_process_reads_before_reading(saved, ckpt_dir):
         (replicated,) = m.plan(state=jaxckpt.target_on_mesh(abstract(saved), mesh, P())).processes
         assert replicated.read_bytes == stored and replicated.device_bytes == 8 * stored
 
-        with pytest.raises(errors.TreeMismatchError, match=r"\['extra'\]"):
+        with pytest.raises(
+            errors.TreeMismatchError, match=r"in the target but not in the checkpoint: extra\n"
+        ):
             m.plan(state=dict(target, extra=target["w"]))
 
 

@@ -1,0 +1,146 @@
+"""What a data iterator was when saved, to refuse restoring its position into another one.
+
+An iterator's state alone rarely says what it iterates: a grain `MapDataset` pipeline's is
+`{"next_index": 7}` with a batch size of 32 or of 64, so a resumed job with another batch
+size would continue silently at another place of the data. Beside each process's state,
+save records a description of the iterator (`describe`):
+
+* `type`: the iterator's qualified class name;
+* `state`: the fields of its state (the keys of the JSON object);
+* `config`: for a grain `DataLoaderIterator`, the fields of its state that are its
+  configuration and that grain itself checks on `set_state`, after every array was read
+  (`sampler`, with its seed, `data_source`, `worker_count`);
+* `pipeline`: for grain, each transformation of the pipeline as grain describes it
+  (`BatchMapDataset(batch_size=32, drop_remainder=False)`, a DataLoader's operations),
+  without what does not change the data: prefetching nodes, memory addresses, the source
+  lines of functions.
+
+`differences` compares two descriptions; restore refuses a mismatch before reading any
+array, unless told `data_mismatch_ok=True`. grain's pipeline graph is read through its
+iterators' private `_parents` links, as grain's own pipeline visualisation does: when a
+grain version lacks them, less is recorded, and compared.
+
+>>> import grain
+>>> saved = describe(iter(grain.MapDataset.range(64).batch(32).to_iter_dataset()))
+>>> given = describe(iter(grain.MapDataset.range(64).batch(16).to_iter_dataset()))
+>>> differences(saved, given)  # doctest: +NORMALIZE_WHITESPACE
+['pipeline: BatchMapDataset(batch_size=32, drop_remainder=False) was saved,
+  BatchMapDataset(batch_size=16, drop_remainder=False) is given']
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any
+
+# grain's DataLoader state: its configuration (what grain's own `_validate_state` compares).
+LOADER_CONFIG = ("sampler", "data_source", "worker_count")
+MAX_NODES = 256
+MAX_TEXT = 500
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_SOURCE_LINE = re.compile(r" @ [^\s,()]+:\d+")  # grain names functions `f @ .../file.py:12`
+
+
+def describe(data: Any, state: Any = None) -> dict[str, Any]:
+    """A JSON description of the iterator: type, state fields, grain configuration.
+
+    `state`: its `get_state()` if already taken (JSON, or the bytes of a DataLoader's JSON);
+    None: taken here.
+    """
+    about: dict[str, Any] = {"type": _qualname(type(data))}
+    if state is None:
+        try:
+            state = data.get_state()
+        except Exception:  # an iterator that cannot tell: only its type is compared
+            return about
+    if isinstance(state, bytes):
+        try:
+            state = json.loads(state.decode("utf-8"))
+        except (ValueError, RecursionError):
+            state = None
+    if isinstance(state, dict):
+        about["state"] = sorted(str(k) for k in state)
+        if all(k in state for k in LOADER_CONFIG):
+            about["config"] = {k: _text(state[k]) for k in LOADER_CONFIG}
+    if pipeline := _pipeline(data):
+        about["pipeline"] = pipeline
+    return about
+
+
+def differences(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """What differs between two descriptions, one line each (empty: alike). A field one of
+    them lacks (an older jaxckpt, an iterator that cannot tell) is not compared."""
+    if saved.get("type") != given.get("type"):
+        return [f"type: a {saved.get('type')} was saved, a {given.get('type')} is given"]
+    lines = []
+    if "state" in saved and "state" in given and saved["state"] != given["state"]:
+        lines.append(f"state fields: {saved['state']} were saved, {given['state']} are given")
+    saved_config, given_config = saved.get("config") or {}, given.get("config") or {}
+    for key in sorted(saved_config.keys() & given_config.keys()):
+        if saved_config[key] != given_config[key]:
+            lines.append(f"{key}: {saved_config[key]} was saved, {given_config[key]} is given")
+    if "pipeline" in saved and "pipeline" in given and saved["pipeline"] != given["pipeline"]:
+        a, b = saved["pipeline"], given["pipeline"]
+        if len(a) != len(b):
+            lines.append(
+                f"pipeline: {len(a)} steps were saved ({'; '.join(a)}), {len(b)} are given "
+                f"({'; '.join(b)})"
+            )
+        else:
+            changed = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
+            lines += [f"pipeline: {x} was saved, {y} is given" for x, y in changed[:3]]
+            if len(changed) > 3:
+                lines.append(f"pipeline: and {len(changed) - 3} more steps differ")
+    return lines
+
+
+def _pipeline(data: Any) -> list[str]:
+    """grain's description of each transformation, the iterator's first (empty for other
+    iterators)."""
+    grain = sys.modules.get("grain")  # never imported here: only a grain iterator has one
+    if grain is None:
+        return []
+    nodes: list[Any] = []
+    if isinstance(data, grain.DatasetIterator):
+        nodes = _walk(data)
+    elif hasattr(data, "_data_loader"):  # a DataLoaderIterator: its operations
+        nodes = list(getattr(data._data_loader, "_operations", None) or ())
+    return [_normalised(node) for node in nodes if "Prefetch" not in type(node).__name__]
+
+
+def _walk(node: Any) -> list[Any]:
+    out, seen, stack = [], set(), [node]
+    while stack and len(out) < MAX_NODES:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        links = getattr(node, "__dict__", {})  # never grain's asserting `_parent` property
+        try:
+            parents = list(links.get("_parents", ()) or ())
+        except TypeError:
+            parents = []
+        parents += [links.get("_map_parent"), links.get("_iter_parent")]
+        stack.extend(reversed(parents))
+    return out
+
+
+def _normalised(node: Any) -> str:
+    try:
+        text = str(node)
+    except Exception:
+        text = type(node).__name__
+    return _text(_SOURCE_LINE.sub("", _ADDRESS.sub("", text)))
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        return value[: MAX_TEXT - 3] + "..."
+    return value
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
