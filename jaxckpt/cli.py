@@ -27,39 +27,116 @@ from typing import Any
 
 import click
 
-from jaxckpt.errors import CorruptCheckpointError, JaxckptError
+from jaxckpt.errors import ConfigError, CorruptCheckpointError, JaxckptError, NoCheckpointError
 from jaxckpt.storage import is_remote
+
+# The exit status: 0 done, 1 an error (what was asked for failed or is not there), 2 a
+# usage error (an unknown command or option, an option value that cannot be right).
+# `diff` follows diff(1) instead: 0 the same, 1 different, 2 trouble (any error).
+EXIT_ERROR, EXIT_USAGE = 1, 2
+
+# Library messages name the Python arguments that fix a problem (`overwrite=True`); here
+# each becomes what a CLI user types or does instead. tests/test_cli_messages.py raises every
+# one of these errors through the CLI, so a reworded library message fails a test rather
+# than leaking a Python argument into the CLI's output.
+CLI_WORDS = (
+    # OutputExistsError (jaxckpt.hf)
+    ("choose another directory or pass overwrite=True", "choose another OUT or pass --overwrite"),
+    # StepNotFoundError (jaxckpt.errors)
+    (
+        "Pass one of them, or step=None for the latest.",
+        "Pass one of them (commands without --step use the latest).",
+    ),
+    # CorruptCheckpointError (jaxckpt.errors)
+    (
+        "Restore another step, or pass fallback=True to restore the newest step that verifies.",
+        "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify.",
+    ),
+    # LockedError (jaxckpt.lock)
+    (
+        "Stop that job first, or open this one with read_only=True to restore.",
+        "Stop that job first (only `jaxckpt rm` needs the lock; the other commands read).",
+    ),
+)
+
+
+def cli_words(message: str) -> str:
+    """A library error message in the CLI's terms (see CLI_WORDS)."""
+    for python, cli in CLI_WORDS:
+        message = message.replace(python, cli)
+    return message
 
 
 class _Group(click.Group):
-    """One-line errors: jaxckpt's, missing files, and click's usage errors."""
+    """One-line errors: jaxckpt's, missing files, and click's usage errors; with --json,
+    one JSON object on stdout instead. Never a traceback."""
 
     def main(self, args=None, prog_name=None, **kwargs):
+        # Run as a program (no args given), the CLI owns the process's logging; called
+        # in-process (tests, CliRunner) it leaves the caller's handlers alone.
+        kwargs.setdefault("obj", {})["own_logging"] = args is None
+        args = list(sys.argv[1:] if args is None else args)
+        # The group's own options are flags, so the first other word names the command.
+        command = next((a for a in args if not a.startswith("-")), None)
+        words = args[: args.index("--")] if "--" in args else args
+        as_json = "--json" in words[words.index(command) :] if command in words else False
+        trouble = EXIT_USAGE if command == "diff" else EXIT_ERROR
         try:
             code = super().main(args, prog_name or "jaxckpt", standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as e:
             click.echo(e.ctx.get_help() if e.ctx else str(e))
             code = 0
+        except click.UsageError as e:
+            code = _fail(e.format_message(), e, EXIT_USAGE, as_json)
         except click.ClickException as e:
-            click.echo(f"jaxckpt: error: {e.format_message()}", err=True)
-            code = e.exit_code
+            code = _fail(e.format_message(), e, trouble, as_json)
         except click.exceptions.Abort:
             click.echo("jaxckpt: aborted", err=True)
             code = 130
         except (JaxckptError, OSError) as e:
-            click.echo(f"jaxckpt: error: {e}", err=True)
-            code = 1
+            code = _fail(cli_words(str(e)), e, trouble, as_json)
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def _fail(message: str, error: BaseException, code: int, as_json: bool) -> int:
+    if as_json:
+        click.echo(json.dumps({"error": message, "type": type(error).__name__}))
+    else:
+        click.echo(f"jaxckpt: error: {message}", err=True)
+    return code
+
+
+def _set_quiet(ctx: click.Context, _param, quiet: bool) -> None:
+    if quiet:
+        ctx.find_root().ensure_object(dict)["quiet"] = True
+        logging.getLogger().setLevel(logging.ERROR)
+
+
+# `-q` is accepted before the command (`jaxckpt -q verify DIR`) and after it alike.
+QUIET_OPTION = click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    expose_value=False,
+    callback=_set_quiet,
+    help="Only errors: no progress bars, no notes.",
+)
+
+
 @click.group(cls=_Group)
-@click.option("-q", "--quiet", is_flag=True, help="Only errors: no progress bars, no notes.")
+@QUIET_OPTION
 @click.pass_context
-def main(ctx: click.Context, quiet: bool) -> None:
+def main(ctx: click.Context) -> None:
     """Inspect, compare, verify, plan and export jaxckpt checkpoints."""
-    logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING, format="%(message)s")
+    obj = ctx.ensure_object(dict)
+    obj.setdefault("quiet", False)
+    # (Orbax's absl logging installs a default handler on import: replaced when ours.)
+    logging.basicConfig(
+        level=logging.ERROR if obj["quiet"] else logging.WARNING,
+        format="%(message)s",
+        force=obj.get("own_logging", False),
+    )
     logging.getLogger("absl").setLevel(logging.ERROR)
-    ctx.obj = {"quiet": quiet}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -76,7 +153,7 @@ def _cpu(devices: int | None = None) -> None:
             jax.config.update("jax_num_cpu_devices", devices)
         except RuntimeError:  # JAX already runs (in-process use): enough devices will do
             if len(jax.devices()) < devices:
-                raise click.ClickException(
+                raise ConfigError(
                     f"this process has {len(jax.devices())} devices, the mesh needs {devices}"
                 ) from None
 
@@ -94,7 +171,7 @@ def _store(directory: str):
 def _need_dir(directory: str) -> None:
     """A clear error for a local checkpoint directory that is not there."""
     if not is_remote(directory) and not os.path.isdir(directory):
-        raise click.ClickException(f"{directory}: no such checkpoint directory")
+        raise NoCheckpointError(f"{directory}: no such checkpoint directory")
 
 
 def _info(directory: str, step: int | None) -> tuple[int, dict]:
@@ -111,7 +188,9 @@ def _specs(info: dict, item: str) -> list:
     from jaxckpt.tree import LeafSpec
 
     if item not in info["items"]:
-        raise click.ClickException(f"no item {item!r}; the step holds {sorted(info['items'])}")
+        raise click.BadParameter(
+            f"no item {item!r}; the step holds {sorted(info['items'])}", param_hint="--item"
+        )
     return [LeafSpec.from_json(d) for d in info["items"][item]]
 
 
@@ -193,6 +272,35 @@ def _progress(description: str) -> Iterator:
         yield update
 
 
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _axis_names(mesh: str, shape: tuple[int, ...], axes: str | None, saved: tuple) -> tuple:
+    """`--axes` (default: the saved mesh's axis names): one distinct name per axis of
+    `--mesh`."""
+    n = _count(len(shape), "axis", "axes")
+    if axes:
+        names = tuple(axes.split(","))
+        problem = f"--axes {axes} gives {_count(len(names), 'name')} for the {n} of --mesh {mesh}"
+    elif saved:
+        names = saved
+        problem = f"--mesh {mesh} has {n}, the saved mesh {len(saved)} ({','.join(saved)})"
+    else:
+        names = ()
+        problem = f"--mesh {mesh} has {n} and the checkpoint saved no mesh to name them after"
+    if len(names) != len(shape):
+        candidates = (*names, "data", "model", *(f"axis{i}" for i in range(len(shape))))
+        example = ",".join(list(dict.fromkeys(c for c in candidates if c))[: len(shape)])
+        raise click.BadParameter(
+            f"{problem}; give one name per axis with --axes, comma-separated "
+            f"(e.g. --axes {example})"
+        )
+    if "" in names or len(set(names)) != len(names):
+        raise click.BadParameter(f"--axes {axes} must name each axis once, e.g. --axes data,model")
+    return names
+
+
 # `plan` makes one CPU device per mesh device: 4,096 take ~6 s and ~0.65 GB here, 16,384
 # over two minutes (and 100,000 exhaust the address space).
 MAX_PLAN_DEVICES = 4096
@@ -205,6 +313,7 @@ DIR = click.argument("checkpoint_dir", metavar="DIR")
 
 
 @main.command("ls")
+@QUIET_OPTION
 @DIR
 @click.option("--verify", "check", is_flag=True, help="Verify each step's checksums too.")
 @JSON_OPTION
@@ -282,6 +391,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
 @click.option("--item", default="state", show_default=True, help="state or rng.")
@@ -327,6 +437,7 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
 
 
 @main.command()
+@QUIET_OPTION
 @click.argument("first", metavar="DIR|DIR_A")
 @click.argument("second", metavar="STEP_A|DIR_B")
 @click.argument("third", metavar="[STEP_B]", required=False)
@@ -397,6 +508,9 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         return f"{tuple(spec.shape)} {spec.dtype}"
 
     differing = {n: d for n, d in deltas.items() if d != 0}
+    # diff(1)'s exit status: 0 the same, 1 different (in the tree and, with --values, in a
+    # value), 2 trouble (the group's handler).
+    different = bool(added or removed or changed or differing)
     if as_json:
         _json(
             {
@@ -407,32 +521,39 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 "removed": removed,
                 "changed": {n: [describe(a[n]), describe(b[n])] for n in changed},
                 "max_abs_diff": deltas if values else None,
-                "identical": not (added or removed or changed or differing) if values else None,
+                "identical": not different if values else None,
+                "different": different,
             }
         )
-        return
-    click.echo(
-        f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
-        f"{len(a)} and {len(b)} leaves)"
-    )
-    for name in added:
-        click.echo(f"  added    {name}  {describe(b[name])}")
-    for name in removed:
-        click.echo(f"  removed  {name}  {describe(a[name])}")
-    for name in changed:
-        click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
-    for name, d in differing.items():
-        click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
-    summary = f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
-    if values:
-        largest = max(differing.values(), default=0.0)
-        summary += (
-            f", {len(differing)} of {len(same)} differ in value (largest |a - b|: {largest:.6g})"
+    else:
+        click.echo(
+            f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
+            f"{len(a)} and {len(b)} leaves)"
         )
-    click.echo(summary)
+        for name in added:
+            click.echo(f"  added    {name}  {describe(b[name])}")
+        for name in removed:
+            click.echo(f"  removed  {name}  {describe(a[name])}")
+        for name in changed:
+            click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
+        for name, d in differing.items():
+            click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
+        summary = (
+            f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
+        )
+        if values:
+            largest = max(differing.values(), default=0.0)
+            summary += (
+                f", {len(differing)} of {len(same)} differ in value "
+                f"(largest |a - b|: {largest:.6g})"
+            )
+        click.echo(summary)
+    if different:
+        click.get_current_context().exit(1)
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--mesh", required=True, help="Target mesh shape, e.g. 2x4.")
 @click.option("--axes", help="Its axis names, e.g. data,model (default: the saved mesh's).")
@@ -479,12 +600,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     step, info = _info(checkpoint_dir, step)
     specs = _specs(info, "state")
     saved_axes = next((tuple(s.sharding["mesh"]) for s in specs if s.spec is not None), ())
-    names = tuple(axes.split(",")) if axes else saved_axes
-    if len(names) != len(shape):
-        raise click.BadParameter(
-            f"the mesh {mesh} has {len(shape)} axes; name them with --axes (the saved "
-            f"mesh's axes are {list(saved_axes) or 'unknown'})"
-        )
+    names = _axis_names(mesh, shape, axes, saved_axes)
     target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
     sizes = dict(zip(names, shape, strict=True))
 
@@ -549,6 +665,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.argument("out_dir", metavar="OUT")
 @click.option("--step", type=int, help="Step to export (default: the latest committed).")
@@ -599,13 +716,13 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--step", type=int, help="Verify only this step.")
 @JSON_OPTION
 def verify(checkpoint_dir, step, as_json) -> None:
     """Check every file of every step against its manifest; exit 1 on any problem."""
     _cpu()
-    from jaxckpt.errors import NoCheckpointError
     from jaxckpt.integrity import verify as verify_dir
 
     _need_dir(checkpoint_dir)

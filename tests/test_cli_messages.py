@@ -1,0 +1,170 @@
+"""What the `jaxckpt` command line says and how it exits, on real checkpoints: exit statuses,
+--json errors, --quiet anywhere, messages in the CLI's own terms, sizes that agree."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from conftest import Iterator, run_python
+from jaxckpt.cli import main
+
+
+def state_at(mesh, step):
+    return {
+        "w": jax.device_put(
+            np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * step,
+            NamedSharding(mesh, P("data", "model")),
+        ),
+        "host": np.arange(3),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, mesh):
+    """Steps 10 and 20, each with a data-iterator state; 20 is the latest."""
+    directory = tmp_path_factory.mktemp("cli-messages") / "ckpt"
+    data = Iterator(100)
+    with jaxckpt.CheckpointManager(directory) as m:
+        for step in (10, 20):
+            for _ in range(step):
+                next(data)
+            m.save(step, state=state_at(mesh, step), rng=jax.random.key(step), data=data)
+    return directory
+
+
+def cli(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+# A Python argument spelled out in a message (`overwrite=True`, `step=None`).
+PYTHON_ARGUMENT = re.compile(r"\b[a-z_]+=(True|False|None)\b")
+
+
+# ------------------------------------------------------------------------- plan --axes
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--mesh", "2x4", "--axes", "data"],
+            "--axes data gives 1 name for the 2 axes of --mesh 2x4",
+        ),
+        (
+            ["--mesh", "2x4", "--axes", "a,b,c"],
+            "--axes a,b,c gives 3 names for the 2 axes of --mesh 2x4",
+        ),
+        (["--mesh", "8"], "--mesh 8 has 1 axis, the saved mesh 2 (data,model)"),
+        (["--mesh", "2x4", "--axes", "data,data"], "--axes data,data must name each axis once"),
+    ],
+)
+def test_plan_says_how_many_axis_names_were_given(ckpt, args, message):
+    result = cli("plan", ckpt, *args)
+    assert result.exit_code == 2
+    (line,) = result.output.splitlines()
+    assert message in line, line
+
+
+# ------------------------------------------------------------------------- exit statuses
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["ls", "{ckpt}"], 0),
+        (["frobnicate"], 2),  # usage: unknown command, option, bad option value
+        (["ls", "{ckpt}", "--frobnicate"], 2),
+        (["inspect", "{ckpt}", "--step", "x"], 2),
+        (["inspect", "{ckpt}", "--item", "nope"], 2),
+        (["plan", "{ckpt}", "--mesh", "2by4"], 2),
+        (["ls", "/no/such/dir"], 1),  # errors: what was asked for is not there or failed
+        (["inspect", "{ckpt}", "--step", "7"], 1),
+        (["plan", "{ckpt}", "--step", "7", "--mesh", "8", "--axes", "x"], 1),
+        (["verify", "{ckpt}", "--step", "7"], 1),
+        (["export", "{ckpt}", "{ckpt}"], 1),
+    ],
+)
+def test_usage_errors_exit_2_and_errors_exit_1(ckpt, args, code):
+    result = cli(*(a.format(ckpt=ckpt) for a in args))
+    assert result.exit_code == code, result.output
+    if code:
+        (line,) = result.output.splitlines()
+        assert line.startswith("jaxckpt: error: ")
+
+
+def test_diff_exits_like_diff(ckpt, tmp_path, mesh):
+    """0 the same, 1 different, 2 trouble; without --values only the trees are compared."""
+    assert cli("diff", ckpt, 10, 10, "--values").exit_code == 0
+    assert cli("diff", ckpt, 10, 20).exit_code == 0  # same leaves, shapes and dtypes
+    assert cli("diff", ckpt, 10, 20, "--values").exit_code == 1  # values differ
+
+    other = tmp_path / "other"
+    with jaxckpt.CheckpointManager(other) as m:
+        m.save(1, state={**state_at(mesh, 20), "extra": np.zeros(2)})
+    result = cli("diff", ckpt, other, "--json")
+    assert result.exit_code == 1 and json.loads(result.output)["different"]
+    assert "added    extra" in cli("diff", ckpt, other).output
+
+    for args in ([ckpt, 10, 30], [ckpt, "/no/such/dir"], [ckpt, 10, "x"]):
+        result = cli("diff", *args)
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("jaxckpt: error: ")
+
+
+# ---------------------------------------------------------------------------- --json errors
+
+
+@pytest.mark.parametrize(
+    ("args", "kind", "code"),
+    [
+        (["inspect", "{ckpt}", "--step", "7"], "StepNotFoundError", 1),
+        (["ls", "/no/such/dir"], "NoCheckpointError", 1),
+        (["export", "{ckpt}", "{ckpt}"], "OutputExistsError", 1),
+        (["verify", "{ckpt}", "--step", "7"], "StepNotFoundError", 1),
+        (["diff", "{ckpt}", "10", "30"], "StepNotFoundError", 2),
+        (["inspect", "{ckpt}", "--step", "x"], "BadParameter", 2),
+        (["plan", "{ckpt}", "--mesh", "2x4", "--axes", "data"], "BadParameter", 2),
+    ],
+)
+def test_json_errors_are_one_json_object_on_stdout(ckpt, args, kind, code):
+    args = [a.format(ckpt=ckpt) for a in args]
+    result = cli(*args, "--json")
+    assert result.exit_code == code and result.stderr == ""
+    doc = json.loads(result.stdout)
+    assert doc["type"] == kind and set(doc) == {"error", "type"}
+    plain = cli(*args)  # the same error, as text on stderr
+    assert plain.exit_code == code and plain.stderr == f"jaxckpt: error: {doc['error']}\n"
+
+
+# -------------------------------------------------------------------------------- --quiet
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """A step whose state holds a PRNG key, which export skips with a warning."""
+    directory = tmp_path_factory.mktemp("cli-keyed") / "ckpt"
+    with jaxckpt.CheckpointManager(directory) as m:
+        m.save(1, state={"w": np.ones(3, np.float32), "key": jax.random.key(0)})
+    return directory
+
+
+@pytest.mark.parametrize("where", ["none", "before", "after"])
+def test_quiet_before_or_after_the_command(keyed, tmp_path, where):
+    args = ["export", str(keyed), str(tmp_path / "hf")]
+    args = {"none": args, "before": ["-q", *args], "after": [*args, "--quiet"]}[where]
+    proc = run_python("-m", "jaxckpt", *args)
+    assert proc.stdout.startswith("exported step 1: 1 tensors")
+    if where == "none":  # the note, as one plain line (no logging prefix)
+        assert proc.stderr == "export: skipping key (a PRNG key; safetensors cannot hold it)\n"
+    else:
+        assert proc.stderr == ""
