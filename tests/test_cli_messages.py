@@ -3,6 +3,7 @@
 
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -168,3 +169,63 @@ def test_quiet_before_or_after_the_command(keyed, tmp_path, where):
         assert proc.stderr == "export: skipping key (a PRNG key; safetensors cannot hold it)\n"
     else:
         assert proc.stderr == ""
+
+
+# ----------------------------------------------------------------- messages in CLI terms
+
+
+@pytest.fixture(scope="module")
+def corrupt(ckpt, tmp_path_factory):
+    """A copy of `ckpt` whose step 20 has a flipped byte in its array data."""
+    from reliability.faults import largest_data_file
+
+    directory = tmp_path_factory.mktemp("cli-corrupt") / "ckpt"
+    shutil.copytree(ckpt, directory)
+    flipped = largest_data_file(directory / "20")
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 1
+    flipped.write_bytes(bytes(data))
+    return directory
+
+
+def test_messages_name_cli_flags_not_python_arguments(ckpt, corrupt, tmp_path):
+    """Each library hint that names a Python argument reads as the CLI's flag or action."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+    cases = {
+        ("export", ckpt, tmp_path / "out"): "choose another OUT or pass --overwrite",
+        ("inspect", ckpt, "--step", 7): (
+            "available steps: 10, 20. Pass one of them (commands without --step use the latest)."
+        ),
+        ("export", corrupt, tmp_path / "hf"): (
+            "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify."
+        ),
+    }
+    for args, hint in cases.items():
+        result = cli(*args)
+        assert result.exit_code == 1, result.output
+        assert hint in result.stderr and not PYTHON_ARGUMENT.search(result.stderr), result.stderr
+
+
+def test_the_library_keeps_its_python_hints(ckpt, corrupt, tmp_path):
+    """The same errors raised in Python name Python arguments. CLI_WORDS rewrites these
+    exact sentences, so a library message reworded without the CLI's table fails here."""
+    from jaxckpt.cli import CLI_WORDS
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    calls = [
+        lambda: jaxckpt.export_safetensors(ckpt, tmp_path / "out"),
+        lambda: reader.restore(7),
+        lambda: jaxckpt.CheckpointManager(corrupt, read_only=True).restore(),
+    ]
+    messages = []
+    with jaxckpt.CheckpointManager(tmp_path / "locked"):
+        calls.append(lambda: jaxckpt.CheckpointManager(tmp_path / "locked"))
+        for call in calls:
+            with pytest.raises(jaxckpt.errors.JaxckptError) as e:
+                call()
+            messages.append(str(e.value))
+    for python, _ in CLI_WORDS:
+        assert any(python in m for m in messages), python
