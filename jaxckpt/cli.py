@@ -217,13 +217,16 @@ def _size(n: float) -> str:
 
 
 def _du(path) -> tuple[int, int]:
-    """Bytes and files below `path` (one listing per folder: fine on object storage too;
-    locally links are counted as themselves, never followed)."""
+    """Bytes and files below `path`: a step's size as `ls` and `verify` both report it,
+    every file in its folder (jaxckpt's manifest and Orbax's commit files included). One
+    listing per folder: fine on object storage too; locally links are counted as
+    themselves, never followed."""
     if not is_remote(path):
         size = files = 0
         for folder, _, names in os.walk(path):
             for name in names:
-                size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                    size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
         return size, files
     size = files = 0
     stack = [path]
@@ -723,6 +726,8 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
 def verify(checkpoint_dir, step, as_json) -> None:
     """Check every file of every step against its manifest; exit 1 on any problem."""
     _cpu()
+    from etils import epath
+
     from jaxckpt.integrity import verify as verify_dir
 
     _need_dir(checkpoint_dir)
@@ -731,12 +736,21 @@ def verify(checkpoint_dir, step, as_json) -> None:
     if not reports:
         raise NoCheckpointError(f"no committed checkpoint in {checkpoint_dir}")
     bad = [r.step for r in reports if not r.ok]
+    # Sizes as `ls` shows them: every file of the step (the manifest checks all but itself
+    # and Orbax's two commit files, which Orbax rewrites as it commits).
+    root = epath.Path(checkpoint_dir)
+    sizes = {r.step: _du(root / str(r.step)) for r in reports}
     if as_json:
         _json(
             {
                 "ok": not bad,
                 "steps": [
-                    {"step": r.step, "files": r.files, "bytes": r.bytes, "problems": r.problems}
+                    {
+                        "step": r.step,
+                        "files": sizes[r.step][1],
+                        "bytes": sizes[r.step][0],
+                        "problems": r.problems,
+                    }
                     for r in reports
                 ],
             }
@@ -744,7 +758,8 @@ def verify(checkpoint_dir, step, as_json) -> None:
     else:
         for r in reports:
             if r.ok:
-                click.echo(f"step {r.step}: ok ({r.files} files, {r.bytes:,} bytes)")
+                size, files = sizes[r.step]
+                click.echo(f"step {r.step}: ok ({files} files, {size:,} bytes)")
             else:
                 click.echo(f"step {r.step}: CORRUPT")
                 for problem in r.problems:

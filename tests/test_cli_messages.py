@@ -229,3 +229,22 @@ def test_the_library_keeps_its_python_hints(ckpt, corrupt, tmp_path):
             messages.append(str(e.value))
     for python, _ in CLI_WORDS:
         assert any(python in m for m in messages), python
+
+
+# ------------------------------------------------------------------- ls and verify agree
+
+
+def test_ls_and_verify_count_a_step_the_same(ckpt):
+    """Both count every file in the step folder, the manifest and Orbax's commit files too."""
+    listed = {s["step"]: s for s in json.loads(cli("ls", ckpt, "--json").output)["steps"]}
+    verified = json.loads(cli("verify", ckpt, "--json").output)["steps"]
+    text = cli("verify", ckpt).output.splitlines()
+    for report, line in zip(verified, text, strict=True):
+        step = report["step"]
+        files = [f for f in (ckpt / str(step)).rglob("*") if f.is_file()]
+        on_disk = (len(files), sum(f.stat().st_size for f in files))
+        assert (listed[step]["files"], listed[step]["bytes"]) == on_disk
+        assert (report["files"], report["bytes"]) == on_disk
+        assert line == f"step {step}: ok ({on_disk[0]} files, {on_disk[1]:,} bytes)"
+        ls_row = next(r for r in cli("ls", ckpt).output.splitlines() if f" {step} " in r)
+        assert f"  {on_disk[0]}  " in ls_row
