@@ -399,9 +399,16 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
 @click.option("--item", default="state", show_default=True, help="state or rng.")
 @click.option("--filter", "pattern", help="Only leaves whose name matches this regex.")
+@click.option(
+    "--data",
+    "show_data",
+    is_flag=True,
+    help="Each process's saved data-iterator state, instead of the leaves.",
+)
 @JSON_OPTION
-def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | None, as_json):
-    """The leaves of a step: path, shape, dtype, saved sharding, bytes. Reads metadata only."""
+def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
+    """The leaves of a step: path, shape, dtype, saved sharding, bytes; or with --data each
+    process's data-iterator state. Reads metadata only (small JSON files)."""
     _cpu()
     try:
         wanted = re.compile(pattern) if pattern is not None else None
@@ -410,26 +417,35 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
     step, info = _info(checkpoint_dir, step)
     specs = [s for s in _specs(info, item) if wanted is None or wanted.search(s.name)]
     total = sum(_nbytes(s) for s in specs)
+    states = _data_states(checkpoint_dir, step, info.get("data")) if show_data else None
     if as_json:
-        _json(
-            {
-                "step": step,
-                "item": item,
-                "saved_at": info.get("saved_at"),
-                "process_count": info.get("process_count"),
-                "data": info.get("data"),
-                "meta": info.get("meta"),
-                "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
-                "bytes": total,
-            }
-        )
+        doc = {
+            "step": step,
+            "item": item,
+            "saved_at": info.get("saved_at"),
+            "process_count": info.get("process_count"),
+            "data": info.get("data"),
+            "meta": info.get("meta"),
+            "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
+            "bytes": total,
+        }
+        if show_data:
+            doc["data_states"] = states
+        _json(doc)
         return
+    versions = info.get("versions") or {}
     click.echo(
-        f"step {step} of {checkpoint_dir}, saved {info.get('saved_at', '?')[:19]} by "
-        f"{info.get('process_count', '?')} process(es), jax {info['versions'].get('jax', '?')}"
+        f"step {step} of {checkpoint_dir}, saved {(info.get('saved_at') or '?')[:19]} by "
+        f"{info.get('process_count', '?')} process(es), jax {versions.get('jax', '?')}"
     )
+    if states is not None:
+        if not states:
+            click.echo("no data-iterator state: the step was saved without a data iterator")
+        for s in states:
+            click.echo(f"process {s['process']} of {s['processes']}: {json.dumps(s['state'])}")
+        return
     if info.get("data"):
-        click.echo(f"data iterator state: {info['data']} (one per process)")
+        click.echo("data-iterator state: saved by each process (show it with --data)")
     if info.get("meta") is not None:
         click.echo(f"meta: {json.dumps(info['meta'])[:200]}")
     _table(
@@ -437,6 +453,57 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
         [[s.name, str(tuple(s.shape)), s.dtype, _layout(s), f"{_nbytes(s):,}"] for s in specs],
     )
     click.echo(f"{len(specs)} leaves, {total:,} bytes ({_size(total)})")
+
+
+# A data-iterator state is a small JSON document (grain's: a few hundred bytes).
+MAX_DATA_STATE_BYTES = 2**20
+DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def _data_states(directory: str, step: int, kind: str | None) -> list[dict]:
+    """Each process's saved data-iterator state (`data/process_<i>-of-<n>.json`), parsed
+    when it is JSON (grain's states are), else as the saved text."""
+    from etils import epath
+
+    from jaxckpt import _orbax
+    from jaxckpt.storage import open_inside
+
+    if kind is None:
+        return []
+    step_dir = epath.Path(directory) / str(step)
+    try:
+        names = sorted(p.name for p in (step_dir / _orbax.DATA).iterdir())
+    except FileNotFoundError:
+        names = []
+    found = sorted(
+        (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
+    )
+    if not found:
+        raise CorruptCheckpointError(
+            step, [f"{_orbax.DATA}/ holds no process_<i>-of-<n>.json file"], directory
+        )
+    states = []
+    for process, processes, name in found:
+        rel = f"{_orbax.DATA}/{name}"
+        try:
+            with open_inside(step_dir, rel) as f:
+                raw = f.read(MAX_DATA_STATE_BYTES + 1)
+        except OSError as e:
+            problem = f"{rel} is unreadable: {e.strerror or e}"
+            raise CorruptCheckpointError(step, [problem], directory) from None
+        if len(raw) > MAX_DATA_STATE_BYTES:
+            problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
+            raise CorruptCheckpointError(step, [problem], directory)
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            state = json.loads(text)
+        except (ValueError, RecursionError):
+            if kind == "json":
+                problem = f"{rel} is not JSON, but the step records a JSON state"
+                raise CorruptCheckpointError(step, [problem], directory) from None
+            state = text
+        states.append({"process": process, "processes": processes, "state": state})
+    return states
 
 
 @main.command()

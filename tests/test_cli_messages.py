@@ -248,3 +248,35 @@ def test_ls_and_verify_count_a_step_the_same(ckpt):
         assert line == f"step {step}: ok ({on_disk[0]} files, {on_disk[1]:,} bytes)"
         ls_row = next(r for r in cli("ls", ckpt).output.splitlines() if f" {step} " in r)
         assert f"  {on_disk[0]}  " in ls_row
+
+
+# ------------------------------------------------------------------- inspect --data
+
+
+def test_inspect_data_shows_each_process_iterator_state(ckpt, tmp_path):
+    result = cli("inspect", ckpt, "--data")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1:] == ['process 0 of 1: {"position": 130}']
+    doc = json.loads(cli("inspect", ckpt, "--step", 10, "--data", "--json").output)
+    assert doc["data_states"] == [{"process": 0, "processes": 1, "state": {"position": 110}}]
+    assert "show it with --data" in cli("inspect", ckpt).output
+
+    # grain's DataLoaderIterator saves its state as JSON bytes; a step without data= has none.
+    import grain
+
+    loader = grain.DataLoader(
+        data_source=list(range(10)),
+        sampler=grain.samplers.IndexSampler(10, shuffle=False, num_epochs=1),
+        worker_count=0,
+    )
+    data = iter(loader)
+    next(data)
+    with jaxckpt.CheckpointManager(tmp_path / "grain") as m:
+        m.save(1, state={"w": np.ones(2)}, data=data)
+        m.save(2, state={"w": np.ones(2)})
+    (state,) = json.loads(
+        cli("inspect", tmp_path / "grain", "--step", 1, "--data", "--json").output
+    )["data_states"]
+    assert state["state"] == json.loads(data.get_state())
+    result = cli("inspect", tmp_path / "grain", "--data")
+    assert "no data-iterator state: the step was saved without a data iterator" in result.output
