@@ -2,15 +2,19 @@
 
     jaxckpt ls DIR [--verify]                       steps, times, sizes, status
     jaxckpt inspect DIR [--step N] [--filter RE]     leaves: shape, dtype, saved sharding
+    jaxckpt inspect DIR --data                       each process's data-iterator state
     jaxckpt diff DIR STEP_A STEP_B [--values]        or: jaxckpt diff DIR_A DIR_B
     jaxckpt plan DIR --mesh 2x4 [--hosts 2]          restore dry-run onto another mesh
     jaxckpt verify DIR [--step N]                    checksums of every file
     jaxckpt export DIR OUT [--names MAP.yaml]        Hugging Face safetensors
+    jaxckpt rm DIR STEP [--force]                    delete a step, as the directory's writer
 
 Everything reads metadata (and, for `verify`, `diff --values` and `export`, the data) on the
-host: JAX runs on CPU devices, never an accelerator. `--json` prints one JSON document.
-Progress bars go to stderr on a terminal only (never with `--quiet` or in logs). Bad input is
-one line on stderr, `jaxckpt: error: ...`, and a non-zero exit: never a traceback.
+host: JAX runs on CPU devices, never an accelerator; only `rm` writes (under the writer's
+lock). `--json` prints one JSON document, an error included. Progress bars go to stderr on
+a terminal only (never with `-q/--quiet` or in logs). Bad input is one line on stderr,
+`jaxckpt: error: ...`, and exit status 2 for a usage error, 1 for any other: never a
+traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble.
 """
 
 from __future__ import annotations
@@ -837,3 +841,57 @@ def verify(checkpoint_dir, step, as_json) -> None:
             err=True,
         )
         sys.exit(1)
+
+
+@main.command()
+@QUIET_OPTION
+@DIR
+@click.argument("step", type=click.IntRange(min=0))
+@click.option(
+    "--force", is_flag=True, help="Also delete the latest committed step (refused otherwise)."
+)
+@JSON_OPTION
+def rm(checkpoint_dir, step, force, as_json) -> None:
+    """Delete one committed step, holding the directory's writer lock as a writer does.
+
+    Refused while a training job (or another rm) holds the lock, and for the latest
+    committed step unless --force: a job resuming from the directory would silently go back
+    to an older step. The step leaves the listing at once (renamed, or tombstoned on gs://)
+    and its files are deleted before the command returns.
+    """
+    _cpu()
+    from etils import epath
+
+    from jaxckpt import _orbax
+    from jaxckpt.lock import writer_lock
+
+    _need_dir(checkpoint_dir)
+    lock = writer_lock(checkpoint_dir, lease_s=60.0)
+    if lock is not None:
+        lock.acquire()
+    try:
+        store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True)
+        try:
+            store.resolve(step)
+            steps = store.committed_steps()
+            if step == steps[-1] and not force:
+                raise click.UsageError(
+                    f"step {step} is the latest committed step in {checkpoint_dir}: a job "
+                    "resuming from this directory would go back to "
+                    + (f"step {steps[-2]}" if len(steps) > 1 else "no step at all")
+                    + ". Pass --force to delete it all the same."
+                )
+            if lock is not None:
+                lock.check()
+            store.delete(step)
+        finally:
+            store.close()  # waits for the files to be deleted
+        left = store.committed_steps()
+    finally:
+        if lock is not None:
+            lock.release()
+    if as_json:
+        _json({"directory": checkpoint_dir, "deleted": step, "steps": left})
+        return
+    rest = ", ".join(map(str, left)) or "none"
+    click.echo(f"deleted step {step} from {checkpoint_dir}; committed steps: {rest}")

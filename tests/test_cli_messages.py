@@ -280,3 +280,31 @@ def test_inspect_data_shows_each_process_iterator_state(ckpt, tmp_path):
     assert state["state"] == json.loads(data.get_state())
     result = cli("inspect", tmp_path / "grain", "--data")
     assert "no data-iterator state: the step was saved without a data iterator" in result.output
+
+
+# ---------------------------------------------------------------------------------- rm
+
+
+def test_rm_deletes_a_step_as_the_writer(ckpt, tmp_path, mesh):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(ckpt, directory)
+
+    result = cli("rm", directory, 20)  # the latest: refused without --force
+    assert result.exit_code == 2 and "would go back to step 10. Pass --force" in result.output
+    assert cli("rm", directory, 7).exit_code == 1
+    with jaxckpt.CheckpointManager(directory):  # a live writer holds the lock
+        result = cli("rm", directory, 10)
+        assert result.exit_code == 1 and "is being written by host" in result.stderr
+        assert "Stop that job first" in result.stderr
+        assert not PYTHON_ARGUMENT.search(result.stderr), result.stderr
+    assert jaxckpt.CheckpointManager(directory, read_only=True).all_steps() == [10, 20]
+
+    result = cli("rm", directory, 10)
+    assert result.exit_code == 0, result.output
+    assert result.output == f"deleted step 10 from {directory}; committed steps: 20\n"
+    assert sorted(p.name for p in directory.iterdir()) == [".jaxckpt-writer.lock", "20"]
+    doc = json.loads(cli("rm", directory, 20, "--force", "--json").output)
+    assert doc["deleted"] == 20 and doc["steps"] == []
+    with jaxckpt.CheckpointManager(directory) as m:  # the lock was released
+        m.save(30, state=state_at(mesh, 30))
+    assert jaxckpt.CheckpointManager(directory, read_only=True).all_steps() == [30]
