@@ -111,9 +111,11 @@ def _fail(message: str, error: BaseException, code: int, as_json: bool) -> int:
 
 
 def _set_quiet(ctx: click.Context, _param, quiet: bool) -> None:
+    obj = ctx.find_root().ensure_object(dict)
     if quiet:
-        ctx.find_root().ensure_object(dict)["quiet"] = True
-        logging.getLogger().setLevel(logging.ERROR)
+        obj["quiet"] = True
+        if obj.get("own_logging"):  # after the command: the group already set WARNING
+            logging.getLogger().setLevel(logging.ERROR)
 
 
 # `-q` is accepted before the command (`jaxckpt -q verify DIR`) and after it alike.
@@ -884,9 +886,9 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
             if lock is not None:
                 lock.check()
             store.delete(step)
+            left = store.committed_steps()
         finally:
             store.close()  # waits for the files to be deleted
-        left = store.committed_steps()
     finally:
         if lock is not None:
             lock.release()
