@@ -145,6 +145,7 @@ def test_json_errors_are_one_json_object_on_stdout(ckpt, args, kind, code):
     assert result.exit_code == code and result.stderr == ""
     doc = json.loads(result.stdout)
     assert doc["type"] == kind and set(doc) == {"error", "type"}
+    assert not PYTHON_ARGUMENT.search(doc["error"]), doc["error"]
     plain = cli(*args)  # the same error, as text on stderr
     assert plain.exit_code == code and plain.stderr == f"jaxckpt: error: {doc['error']}\n"
 
