@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -45,6 +46,42 @@ from jaxckpt.storage import absolute, is_remote, open_inside
 from jaxckpt.tree import LeafSpec, ReadRequest
 
 log = logging.getLogger("jaxckpt")
+
+
+# --- Orbax's log noise (issue 15) ------------------------------------------------------
+# Orbax logs through absl's logger: two warnings for every read-only manager, and a
+# traceback per thread for a save that failed in the background, which jaxckpt raises
+# itself as SaveError by the next save/wait/close. These known messages go to the debug
+# log (`logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)` shows them); every
+# other Orbax message passes unchanged.
+_ORBAX_NOISE = re.compile(
+    r"CheckpointManagerOptions\.read_only=True, setting save_interval_steps=0"
+    r"|Given directory is read only="
+    r"|Failed to run \d+ Handler Commit operations or the Commit callback in background"
+    r"|_SignalingThread\.run\(\) raised an exception"
+    r"|Save Finalize thread \(\w+\) failed"
+    r"|Checkpointer failed: one or more items may not be finalized"
+)
+_orbax_debug_log = log.getChild("orbax")
+
+
+def _demote_orbax_noise(record: logging.LogRecord) -> bool:
+    """A filter on absl's logger: the known messages above are handed to jaxckpt.orbax's
+    handlers at DEBUG level (if enabled there) instead of absl's; all else passes."""
+    try:
+        noise = bool(_ORBAX_NOISE.search(record.getMessage()))
+    except Exception:  # a record whose arguments do not format: not ours to judge
+        return True
+    if not noise:
+        return True
+    if _orbax_debug_log.isEnabledFor(logging.DEBUG):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        _orbax_debug_log.handle(record)
+    return False
+
+
+logging.getLogger("absl").addFilter(_demote_orbax_noise)
+# --- end of Orbax's log noise -----------------------------------------------------------
 
 STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"

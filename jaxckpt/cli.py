@@ -2,15 +2,19 @@
 
     jaxckpt ls DIR [--verify]                       steps, times, sizes, status
     jaxckpt inspect DIR [--step N] [--filter RE]     leaves: shape, dtype, saved sharding
+    jaxckpt inspect DIR --data                       each process's data-iterator state
     jaxckpt diff DIR STEP_A STEP_B [--values]        or: jaxckpt diff DIR_A DIR_B
     jaxckpt plan DIR --mesh 2x4 [--hosts 2]          restore dry-run onto another mesh
     jaxckpt verify DIR [--step N]                    checksums of every file
     jaxckpt export DIR OUT [--names MAP.yaml]        Hugging Face safetensors
+    jaxckpt rm DIR STEP [--force]                    delete a step, as the directory's writer
 
 Everything reads metadata (and, for `verify`, `diff --values` and `export`, the data) on the
-host: JAX runs on CPU devices, never an accelerator. `--json` prints one JSON document.
-Progress bars go to stderr on a terminal only (never with `--quiet` or in logs). Bad input is
-one line on stderr, `jaxckpt: error: ...`, and a non-zero exit: never a traceback.
+host: JAX runs on CPU devices, never an accelerator; only `rm` writes (under the writer's
+lock). `--json` prints one JSON document, an error included. Progress bars go to stderr on
+a terminal only (never with `-q/--quiet` or in logs). Bad input is one line on stderr,
+`jaxckpt: error: ...`, and exit status 2 for a usage error, 1 for any other: never a
+traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble.
 """
 
 from __future__ import annotations
@@ -27,39 +31,118 @@ from typing import Any
 
 import click
 
-from jaxckpt.errors import CorruptCheckpointError, JaxckptError
+from jaxckpt.errors import ConfigError, CorruptCheckpointError, JaxckptError, NoCheckpointError
 from jaxckpt.storage import is_remote
+
+# The exit status: 0 done, 1 an error (what was asked for failed or is not there), 2 a
+# usage error (an unknown command or option, an option value that cannot be right).
+# `diff` follows diff(1) instead: 0 the same, 1 different, 2 trouble (any error).
+EXIT_ERROR, EXIT_USAGE = 1, 2
+
+# Library messages name the Python arguments that fix a problem (`overwrite=True`); here
+# each becomes what a CLI user types or does instead. tests/test_cli_messages.py raises every
+# one of these errors through the CLI, so a reworded library message fails a test rather
+# than leaking a Python argument into the CLI's output.
+CLI_WORDS = (
+    # OutputExistsError (jaxckpt.hf)
+    ("choose another directory or pass overwrite=True", "choose another OUT or pass --overwrite"),
+    # StepNotFoundError (jaxckpt.errors)
+    (
+        "Pass one of them, or step=None for the latest.",
+        "Pass one of them (commands without --step use the latest).",
+    ),
+    # CorruptCheckpointError (jaxckpt.errors)
+    (
+        "Restore another step, or pass fallback=True to restore the newest step that verifies.",
+        "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify.",
+    ),
+    # LockedError (jaxckpt.lock)
+    (
+        "Stop that job first, or open this one with read_only=True to restore.",
+        "Stop that job first (only `jaxckpt rm` needs the lock; the other commands read).",
+    ),
+)
+
+
+def cli_words(message: str) -> str:
+    """A library error message in the CLI's terms (see CLI_WORDS)."""
+    for python, cli in CLI_WORDS:
+        message = message.replace(python, cli)
+    return message
 
 
 class _Group(click.Group):
-    """One-line errors: jaxckpt's, missing files, and click's usage errors."""
+    """One-line errors: jaxckpt's, missing files, and click's usage errors; with --json,
+    one JSON object on stdout instead. Never a traceback."""
 
     def main(self, args=None, prog_name=None, **kwargs):
+        # Run as a program (no args given), the CLI owns the process's logging; called
+        # in-process (tests, CliRunner) it leaves the caller's handlers alone.
+        kwargs.setdefault("obj", {})["own_logging"] = args is None
+        args = list(sys.argv[1:] if args is None else args)
+        # The group's own options are flags, so the first other word names the command.
+        command = next((a for a in args if not a.startswith("-")), None)
+        words = args[: args.index("--")] if "--" in args else args
+        as_json = "--json" in words[words.index(command) :] if command in words else False
+        trouble = EXIT_USAGE if command == "diff" else EXIT_ERROR
         try:
             code = super().main(args, prog_name or "jaxckpt", standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as e:
             click.echo(e.ctx.get_help() if e.ctx else str(e))
             code = 0
+        except click.UsageError as e:
+            code = _fail(e.format_message(), e, EXIT_USAGE, as_json)
         except click.ClickException as e:
-            click.echo(f"jaxckpt: error: {e.format_message()}", err=True)
-            code = e.exit_code
+            code = _fail(e.format_message(), e, trouble, as_json)
         except click.exceptions.Abort:
             click.echo("jaxckpt: aborted", err=True)
             code = 130
         except (JaxckptError, OSError) as e:
-            click.echo(f"jaxckpt: error: {e}", err=True)
-            code = 1
+            code = _fail(cli_words(str(e)), e, trouble, as_json)
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def _fail(message: str, error: BaseException, code: int, as_json: bool) -> int:
+    if as_json:
+        click.echo(json.dumps({"error": message, "type": type(error).__name__}))
+    else:
+        click.echo(f"jaxckpt: error: {message}", err=True)
+    return code
+
+
+def _set_quiet(ctx: click.Context, _param, quiet: bool) -> None:
+    obj = ctx.find_root().ensure_object(dict)
+    if quiet:
+        obj["quiet"] = True
+        if obj.get("own_logging"):  # after the command: the group already set WARNING
+            logging.getLogger().setLevel(logging.ERROR)
+
+
+# `-q` is accepted before the command (`jaxckpt -q verify DIR`) and after it alike.
+QUIET_OPTION = click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    expose_value=False,
+    callback=_set_quiet,
+    help="Only errors: no progress bars, no notes.",
+)
+
+
 @click.group(cls=_Group)
-@click.option("-q", "--quiet", is_flag=True, help="Only errors: no progress bars, no notes.")
+@QUIET_OPTION
 @click.pass_context
-def main(ctx: click.Context, quiet: bool) -> None:
+def main(ctx: click.Context) -> None:
     """Inspect, compare, verify, plan and export jaxckpt checkpoints."""
-    logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING, format="%(message)s")
+    obj = ctx.ensure_object(dict)
+    obj.setdefault("quiet", False)
+    # (Orbax's absl logging installs a default handler on import: replaced when ours.)
+    logging.basicConfig(
+        level=logging.ERROR if obj["quiet"] else logging.WARNING,
+        format="%(message)s",
+        force=obj.get("own_logging", False),
+    )
     logging.getLogger("absl").setLevel(logging.ERROR)
-    ctx.obj = {"quiet": quiet}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -76,7 +159,7 @@ def _cpu(devices: int | None = None) -> None:
             jax.config.update("jax_num_cpu_devices", devices)
         except RuntimeError:  # JAX already runs (in-process use): enough devices will do
             if len(jax.devices()) < devices:
-                raise click.ClickException(
+                raise ConfigError(
                     f"this process has {len(jax.devices())} devices, the mesh needs {devices}"
                 ) from None
 
@@ -94,7 +177,7 @@ def _store(directory: str):
 def _need_dir(directory: str) -> None:
     """A clear error for a local checkpoint directory that is not there."""
     if not is_remote(directory) and not os.path.isdir(directory):
-        raise click.ClickException(f"{directory}: no such checkpoint directory")
+        raise NoCheckpointError(f"{directory}: no such checkpoint directory")
 
 
 def _info(directory: str, step: int | None) -> tuple[int, dict]:
@@ -111,7 +194,9 @@ def _specs(info: dict, item: str) -> list:
     from jaxckpt.tree import LeafSpec
 
     if item not in info["items"]:
-        raise click.ClickException(f"no item {item!r}; the step holds {sorted(info['items'])}")
+        raise click.BadParameter(
+            f"no item {item!r}; the step holds {sorted(info['items'])}", param_hint="--item"
+        )
     return [LeafSpec.from_json(d) for d in info["items"][item]]
 
 
@@ -138,13 +223,16 @@ def _size(n: float) -> str:
 
 
 def _du(path) -> tuple[int, int]:
-    """Bytes and files below `path` (one listing per folder: fine on object storage too;
-    locally links are counted as themselves, never followed)."""
+    """Bytes and files below `path`: a step's size as `ls` and `verify` both report it,
+    every file in its folder (jaxckpt's manifest and Orbax's commit files included). One
+    listing per folder: fine on object storage too; locally links are counted as
+    themselves, never followed."""
     if not is_remote(path):
         size = files = 0
         for folder, _, names in os.walk(path):
             for name in names:
-                size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                    size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
         return size, files
     size = files = 0
     stack = [path]
@@ -195,6 +283,35 @@ def _progress(description: str) -> Iterator:
         yield update
 
 
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _axis_names(mesh: str, shape: tuple[int, ...], axes: str | None, saved: tuple) -> tuple:
+    """`--axes` (default: the saved mesh's axis names): one distinct name per axis of
+    `--mesh`."""
+    n = _count(len(shape), "axis", "axes")
+    if axes:
+        names = tuple(axes.split(","))
+        problem = f"--axes {axes} gives {_count(len(names), 'name')} for the {n} of --mesh {mesh}"
+    elif saved:
+        names = saved
+        problem = f"--mesh {mesh} has {n}, the saved mesh {len(saved)} ({','.join(saved)})"
+    else:
+        names = ()
+        problem = f"--mesh {mesh} has {n} and the checkpoint saved no mesh to name them after"
+    if len(names) != len(shape):
+        candidates = (*names, "data", "model", *(f"axis{i}" for i in range(len(shape))))
+        example = ",".join(list(dict.fromkeys(c for c in candidates if c))[: len(shape)])
+        raise click.BadParameter(
+            f"{problem}; give one name per axis with --axes, comma-separated "
+            f"(e.g. --axes {example})"
+        )
+    if "" in names or len(set(names)) != len(names):
+        raise click.BadParameter(f"--axes {axes} must name each axis once, e.g. --axes data,model")
+    return names
+
+
 # `plan` makes one CPU device per mesh device: 4,096 take ~6 s and ~0.65 GB here, 16,384
 # over two minutes (and 100,000 exhaust the address space).
 MAX_PLAN_DEVICES = 4096
@@ -207,6 +324,7 @@ DIR = click.argument("checkpoint_dir", metavar="DIR")
 
 
 @main.command("ls")
+@QUIET_OPTION
 @DIR
 @click.option("--verify", "check", is_flag=True, help="Verify each step's checksums too.")
 @JSON_OPTION
@@ -284,13 +402,21 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
 @click.option("--item", default="state", show_default=True, help="state or rng.")
 @click.option("--filter", "pattern", help="Only leaves whose name matches this regex.")
+@click.option(
+    "--data",
+    "show_data",
+    is_flag=True,
+    help="Each process's saved data-iterator state, instead of the leaves.",
+)
 @JSON_OPTION
-def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | None, as_json):
-    """The leaves of a step: path, shape, dtype, saved sharding, bytes. Reads metadata only."""
+def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
+    """The leaves of a step: path, shape, dtype, saved sharding, bytes; or with --data each
+    process's data-iterator state. Reads metadata only (small JSON files)."""
     _cpu()
     try:
         wanted = re.compile(pattern) if pattern is not None else None
@@ -299,26 +425,35 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
     step, info = _info(checkpoint_dir, step)
     specs = [s for s in _specs(info, item) if wanted is None or wanted.search(s.name)]
     total = sum(_nbytes(s) for s in specs)
+    states = _data_states(checkpoint_dir, step, info.get("data")) if show_data else None
     if as_json:
-        _json(
-            {
-                "step": step,
-                "item": item,
-                "saved_at": info.get("saved_at"),
-                "process_count": info.get("process_count"),
-                "data": info.get("data"),
-                "meta": info.get("meta"),
-                "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
-                "bytes": total,
-            }
-        )
+        doc = {
+            "step": step,
+            "item": item,
+            "saved_at": info.get("saved_at"),
+            "process_count": info.get("process_count"),
+            "data": info.get("data"),
+            "meta": info.get("meta"),
+            "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
+            "bytes": total,
+        }
+        if show_data:
+            doc["data_states"] = states
+        _json(doc)
         return
+    versions = info.get("versions") or {}
     click.echo(
-        f"step {step} of {checkpoint_dir}, saved {info.get('saved_at', '?')[:19]} by "
-        f"{info.get('process_count', '?')} process(es), jax {info['versions'].get('jax', '?')}"
+        f"step {step} of {checkpoint_dir}, saved {(info.get('saved_at') or '?')[:19]} by "
+        f"{info.get('process_count', '?')} process(es), jax {versions.get('jax', '?')}"
     )
+    if states is not None:
+        if not states:
+            click.echo("no data-iterator state: the step was saved without a data iterator")
+        for s in states:
+            click.echo(f"process {s['process']} of {s['processes']}: {json.dumps(s['state'])}")
+        return
     if info.get("data"):
-        click.echo(f"data iterator state: {info['data']} (one per process)")
+        click.echo("data-iterator state: saved by each process (show it with --data)")
     if info.get("meta") is not None:
         click.echo(f"meta: {json.dumps(info['meta'])[:200]}")
     _table(
@@ -328,7 +463,59 @@ def inspect(checkpoint_dir: str, step: int | None, item: str, pattern: str | Non
     click.echo(f"{len(specs)} leaves, {total:,} bytes ({_size(total)})")
 
 
+# A data-iterator state is a small JSON document (grain's: a few hundred bytes).
+MAX_DATA_STATE_BYTES = 2**20
+DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def _data_states(directory: str, step: int, kind: str | None) -> list[dict]:
+    """Each process's saved data-iterator state (`data/process_<i>-of-<n>.json`), parsed
+    when it is JSON (grain's states are), else as the saved text."""
+    from etils import epath
+
+    from jaxckpt import _orbax
+    from jaxckpt.storage import open_inside
+
+    if kind is None:
+        return []
+    step_dir = epath.Path(directory) / str(step)
+    try:
+        names = sorted(p.name for p in (step_dir / _orbax.DATA).iterdir())
+    except FileNotFoundError:
+        names = []
+    found = sorted(
+        (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
+    )
+    if not found:
+        raise CorruptCheckpointError(
+            step, [f"{_orbax.DATA}/ holds no process_<i>-of-<n>.json file"], directory
+        )
+    states = []
+    for process, processes, name in found:
+        rel = f"{_orbax.DATA}/{name}"
+        try:
+            with open_inside(step_dir, rel) as f:
+                raw = f.read(MAX_DATA_STATE_BYTES + 1)
+        except OSError as e:
+            problem = f"{rel} is unreadable: {e.strerror or e}"
+            raise CorruptCheckpointError(step, [problem], directory) from None
+        if len(raw) > MAX_DATA_STATE_BYTES:
+            problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
+            raise CorruptCheckpointError(step, [problem], directory)
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            state = json.loads(text)
+        except (ValueError, RecursionError):
+            if kind == "json":
+                problem = f"{rel} is not JSON, but the step records a JSON state"
+                raise CorruptCheckpointError(step, [problem], directory) from None
+            state = text
+        states.append({"process": process, "processes": processes, "state": state})
+    return states
+
+
 @main.command()
+@QUIET_OPTION
 @click.argument("first", metavar="DIR|DIR_A")
 @click.argument("second", metavar="STEP_A|DIR_B")
 @click.argument("third", metavar="[STEP_B]", required=False)
@@ -399,6 +586,9 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         return f"{tuple(spec.shape)} {spec.dtype}"
 
     differing = {n: d for n, d in deltas.items() if d != 0}
+    # diff(1)'s exit status: 0 the same, 1 different (in the tree and, with --values, in a
+    # value), 2 trouble (the group's handler).
+    different = bool(added or removed or changed or differing)
     if as_json:
         _json(
             {
@@ -409,32 +599,39 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 "removed": removed,
                 "changed": {n: [describe(a[n]), describe(b[n])] for n in changed},
                 "max_abs_diff": deltas if values else None,
-                "identical": not (added or removed or changed or differing) if values else None,
+                "identical": not different if values else None,
+                "different": different,
             }
         )
-        return
-    click.echo(
-        f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
-        f"{len(a)} and {len(b)} leaves)"
-    )
-    for name in added:
-        click.echo(f"  added    {name}  {describe(b[name])}")
-    for name in removed:
-        click.echo(f"  removed  {name}  {describe(a[name])}")
-    for name in changed:
-        click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
-    for name, d in differing.items():
-        click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
-    summary = f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
-    if values:
-        largest = max(differing.values(), default=0.0)
-        summary += (
-            f", {len(differing)} of {len(same)} differ in value (largest |a - b|: {largest:.6g})"
+    else:
+        click.echo(
+            f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
+            f"{len(a)} and {len(b)} leaves)"
         )
-    click.echo(summary)
+        for name in added:
+            click.echo(f"  added    {name}  {describe(b[name])}")
+        for name in removed:
+            click.echo(f"  removed  {name}  {describe(a[name])}")
+        for name in changed:
+            click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
+        for name, d in differing.items():
+            click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
+        summary = (
+            f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
+        )
+        if values:
+            largest = max(differing.values(), default=0.0)
+            summary += (
+                f", {len(differing)} of {len(same)} differ in value "
+                f"(largest |a - b|: {largest:.6g})"
+            )
+        click.echo(summary)
+    if different:
+        click.get_current_context().exit(1)
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--mesh", required=True, help="Target mesh shape, e.g. 2x4.")
 @click.option("--axes", help="Its axis names, e.g. data,model (default: the saved mesh's).")
@@ -482,12 +679,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     step, info = _info(checkpoint_dir, step)
     specs = _specs(info, "state")
     saved_axes = next((tuple(s.sharding["mesh"]) for s in specs if s.spec is not None), ())
-    names = tuple(axes.split(",")) if axes else saved_axes
-    if len(names) != len(shape):
-        raise click.BadParameter(
-            f"the mesh {mesh} has {len(shape)} axes; name them with --axes (the saved "
-            f"mesh's axes are {list(saved_axes) or 'unknown'})"
-        )
+    names = _axis_names(mesh, shape, axes, saved_axes)
     target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
     sizes = dict(zip(names, shape, strict=True))
 
@@ -545,6 +737,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.argument("out_dir", metavar="OUT")
 @click.option("--step", type=int, help="Step to export (default: the latest committed).")
@@ -595,13 +788,15 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
 
 
 @main.command()
+@QUIET_OPTION
 @DIR
 @click.option("--step", type=int, help="Verify only this step.")
 @JSON_OPTION
 def verify(checkpoint_dir, step, as_json) -> None:
     """Check every file of every step against its manifest; exit 1 on any problem."""
     _cpu()
-    from jaxckpt.errors import NoCheckpointError
+    from etils import epath
+
     from jaxckpt.integrity import verify as verify_dir
 
     _need_dir(checkpoint_dir)
@@ -610,12 +805,21 @@ def verify(checkpoint_dir, step, as_json) -> None:
     if not reports:
         raise NoCheckpointError(f"no committed checkpoint in {checkpoint_dir}")
     bad = [r.step for r in reports if not r.ok]
+    # Sizes as `ls` shows them: every file of the step (the manifest checks all but itself
+    # and Orbax's two commit files, which Orbax rewrites as it commits).
+    root = epath.Path(checkpoint_dir)
+    sizes = {r.step: _du(root / str(r.step)) for r in reports}
     if as_json:
         _json(
             {
                 "ok": not bad,
                 "steps": [
-                    {"step": r.step, "files": r.files, "bytes": r.bytes, "problems": r.problems}
+                    {
+                        "step": r.step,
+                        "files": sizes[r.step][1],
+                        "bytes": sizes[r.step][0],
+                        "problems": r.problems,
+                    }
                     for r in reports
                 ],
             }
@@ -623,7 +827,8 @@ def verify(checkpoint_dir, step, as_json) -> None:
     else:
         for r in reports:
             if r.ok:
-                click.echo(f"step {r.step}: ok ({r.files} files, {r.bytes:,} bytes)")
+                size, files = sizes[r.step]
+                click.echo(f"step {r.step}: ok ({files} files, {size:,} bytes)")
             else:
                 click.echo(f"step {r.step}: CORRUPT")
                 for problem in r.problems:
@@ -634,3 +839,57 @@ def verify(checkpoint_dir, step, as_json) -> None:
             err=True,
         )
         sys.exit(1)
+
+
+@main.command()
+@QUIET_OPTION
+@DIR
+@click.argument("step", type=click.IntRange(min=0))
+@click.option(
+    "--force", is_flag=True, help="Also delete the latest committed step (refused otherwise)."
+)
+@JSON_OPTION
+def rm(checkpoint_dir, step, force, as_json) -> None:
+    """Delete one committed step, holding the directory's writer lock as a writer does.
+
+    Refused while a training job (or another rm) holds the lock, and for the latest
+    committed step unless --force: a job resuming from the directory would silently go back
+    to an older step. The step leaves the listing at once (renamed, or tombstoned on gs://)
+    and its files are deleted before the command returns.
+    """
+    _cpu()
+    from etils import epath
+
+    from jaxckpt import _orbax
+    from jaxckpt.lock import writer_lock
+
+    _need_dir(checkpoint_dir)
+    lock = writer_lock(checkpoint_dir, lease_s=60.0)
+    if lock is not None:
+        lock.acquire()
+    try:
+        store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True)
+        try:
+            store.resolve(step)
+            steps = store.committed_steps()
+            if step == steps[-1] and not force:
+                raise click.UsageError(
+                    f"step {step} is the latest committed step in {checkpoint_dir}: a job "
+                    "resuming from this directory would go back to "
+                    + (f"step {steps[-2]}" if len(steps) > 1 else "no step at all")
+                    + ". Pass --force to delete it all the same."
+                )
+            if lock is not None:
+                lock.check()
+            store.delete(step)
+            left = store.committed_steps()
+        finally:
+            store.close()  # waits for the files to be deleted
+    finally:
+        if lock is not None:
+            lock.release()
+    if as_json:
+        _json({"directory": checkpoint_dir, "deleted": step, "steps": left})
+        return
+    rest = ", ".join(map(str, left)) or "none"
+    click.echo(f"deleted step {step} from {checkpoint_dir}; committed steps: {rest}")

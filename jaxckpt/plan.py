@@ -30,9 +30,13 @@ class ProcessPlan:
       read_bytes: bytes of array data this process reads from storage.
       device_bytes: bytes its devices hold afterwards (replicas counted on each device).
       peak_host_bytes: estimated peak host memory of the restore above what the process held
-        before: the staging of the largest batch of reads in flight (a decode buffer and a
-        device copy; a batch reads at most `restore_inflight_bytes`, or one larger leaf), plus, on CPU devices (whose memory is host
-        memory), the restored arrays themselves.
+        before: on CPU devices (whose memory is host memory) the restored arrays themselves,
+        plus half of the largest batch read at once (decoded slices wait there for their
+        device copy; a batch reads at most `restore_inflight_bytes`, or one larger leaf),
+        plus a quarter of all it reads (freed staging that the allocator keeps), plus
+        RESTORE_FIXED_BYTES. Fitted to measured restores of 128 MiB to 1 GiB on CPU devices,
+        full and partial, with budgets from 16 MiB to all at once: within 0.84-1.14x of each
+        peak (benchmarks/plan_memory.py).
     """
 
     process: int
@@ -106,11 +110,30 @@ def plan_reads(
             batch_peak[p] = max(batch_peak[p], in_batch[p])
     on_cpu = jax.devices()[0].platform == "cpu" if devices_on_host is None else devices_on_host
     plans = tuple(
-        # A batch in flight is held twice: the decoded bytes and their device copy.
-        ProcessPlan(p, read[p], held[p], 2 * batch_peak[p] + (held[p] if on_cpu else 0))
+        ProcessPlan(p, read[p], held[p], peak_host_bytes(read[p], batch_peak[p], held[p], on_cpu))
         for p in hosts
     )
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
+
+
+# What a restore of any size costs a process: a constant of the fit below (thread pools,
+# tensorstore's context and caches; a restore of a few KiB measured 3 MiB).
+RESTORE_FIXED_BYTES = 32 * 2**20
+
+
+def peak_host_bytes(read: int, batch: int, held: int, devices_on_host: bool) -> int:
+    """A process's peak host memory above its baseline while it restores: reading `read`
+    bytes, at most `batch` of them at once, onto devices that hold `held` bytes.
+
+    Measured (benchmarks/results/plan_memory.md): a 256 MiB state on 8 CPU devices peaked
+    at 1.54-1.82x the bytes read in full, 1.70-2.37x in part (half of it), for budgets from
+    16 MiB to all at once. Those restores' arrays are host memory (`held`); decoded slices
+    wait for their device copy (about half a batch at once), and the allocator keeps part
+    of the staging freed by earlier batches (about a quarter of all read).
+    """
+    if not read:
+        return held if devices_on_host else 0
+    return (held if devices_on_host else 0) + batch // 2 + read // 4 + RESTORE_FIXED_BYTES
 
 
 def auto_inflight_bytes() -> int:

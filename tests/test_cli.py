@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from conftest import run_python
 from jaxckpt.cli import main
+from jaxckpt.plan import RESTORE_FIXED_BYTES
 
 
 def put(x, mesh, spec):
@@ -103,7 +104,7 @@ def test_inspect_shows_leaves_with_their_saved_sharding(two_steps):
 
 def test_diff_two_steps_and_two_directories(two_steps, tmp_path):
     result = cli("diff", two_steps, 10, 20, "--values")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # diff(1)'s convention: 1 = different
     assert "w  max |a - b| = 10230" in result.output  # 1023 * (20 - 10)
     assert "b  max |a - b| = 10" in result.output
     assert "0 added, 0 removed, 0 changed in shape/dtype, 3 of 4 differ in value" in result.output
@@ -116,13 +117,15 @@ def test_diff_two_steps_and_two_directories(two_steps, tmp_path):
         del state["host"]  # removed
         state["new"] = np.ones(2)  # added
         m.save(5, state=state)
-    doc = json.loads(cli("diff", two_steps, other, "--values", "--json").output)
+    result = cli("diff", two_steps, other, "--values", "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.output)
     assert (doc["a"]["step"], doc["b"]["step"]) == (20, 5)
     assert doc["added"] == ["new"] and doc["removed"] == ["host"]
     assert doc["changed"] == {"b": ["(16,) float32", "(8,) float32"]}
     assert doc["max_abs_diff"] == {"count": 0.0, "w": 0.0} and not doc["identical"]
-    same = json.loads(cli("diff", two_steps, two_steps, "--values", "--json").output)
-    assert same["identical"]
+    result = cli("diff", two_steps, two_steps, "--values", "--json")
+    assert result.exit_code == 0 and json.loads(result.output)["identical"]
 
 
 def test_plan_onto_another_mesh_and_hosts(two_steps):
@@ -133,6 +136,10 @@ def test_plan_onto_another_mesh_and_hosts(two_steps):
     for p in doc["processes"]:
         assert p["read_bytes"] == w // 2 + b + count + host
         assert p["device_bytes"] == w // 2 + 4 * (b // 4) + 4 * count
+        # Device memory is not host memory here: half the one batch read, a quarter of all
+        # read, and the fixed cost (jaxckpt.plan.peak_host_bytes).
+        read = p["read_bytes"]
+        assert p["peak_host_bytes"] == read // 2 + read // 4 + RESTORE_FIXED_BYTES
     # A mesh without "data": w keeps its spec only where it fits, else replicated, named.
     onto = json.loads(cli("plan", two_steps, "--mesh", "3", "--axes", "x", "--json").output)
     assert sorted(onto["planned_replicated"]) == ["b", "w"]
@@ -154,7 +161,7 @@ def test_plan_in_a_fresh_process_makes_its_own_devices(two_steps):
         (["inspect", "{ckpt}", "--item", "data"], "no item 'data'"),
         (["diff", "{ckpt}", "10", "x"], "STEP_A and STEP_B are step numbers"),
         (["plan", "{ckpt}", "--mesh", "2by4"], "--mesh must look like 2x4"),
-        (["plan", "{ckpt}", "--mesh", "8"], "the mesh 8 has 1 axes; name them with --axes"),
+        (["plan", "{ckpt}", "--mesh", "8"], "--mesh 8 has 1 axis, the saved mesh 2 (data,model)"),
         (["plan", "{ckpt}", "--mesh", "2x4", "--hosts", "3"], "--hosts 3 does not divide"),
         (["verify", "/no/such/dir"], "no such checkpoint directory"),
         (["export", "{ckpt}", "{ckpt}"], "is not empty"),

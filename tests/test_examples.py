@@ -1,6 +1,6 @@
 """The examples a user copies run as documented: the demo end to end, the reshard example."""
 
-from conftest import run_python
+from conftest import REPO, run_python
 
 
 def test_the_demo_passes_every_check():
@@ -17,3 +17,37 @@ def test_reshard_example_restores_onto_three_layouts(tmp_path):
     assert proc.stdout.count("every leaf equal to the saved one: True") == 3
     assert "model.h.0.mlp.c_fc.kernel.value: P(None, 'model'), shards (64, 64)" in proc.stdout
     assert "model.h.0.mlp.c_fc.kernel.value: P(None, None), shards (64, 256)" in proc.stdout
+
+
+def test_readme_reshard_snippet_runs(tmp_path):
+    """README, "Restoring onto another mesh": the first snippet runs as printed (on 8 CPU
+    devices, in a directory of the test's own)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Restoring onto another mesh") :]
+    snippet = section[section.index("```python\n") + 10 : section.index("```\n")]
+    snippet = snippet.replace('"/ckpt/reshard"', repr(str(tmp_path / "ckpt")))
+    proc = run_python(
+        "-c",
+        snippet,
+        env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    assert "restore plan for step 1: 4 leaves" in proc.stdout
+
+
+def test_readme_name_map_example_places_leaves():
+    """README, "Name maps": the YAML example loads and places leaves as its comments say."""
+    import yaml
+
+    from jaxckpt.names import NameMap
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("#### Name maps") :]
+    example = section[section.index("```yaml\n") + 8 : section.index("```\n")]
+    names = NameMap.load(yaml.safe_load(example))
+    assert names.place("model.wte.embedding.value", (10, 4)).names == ("transformer.wte.weight",)
+    attn = names.place("model.h.0.attn.kernel.value", (4, 8))
+    assert attn.names == ("transformer.h.0.attn.weight",) and attn.transpose == (1, 0)
+    mlp = names.place("model.layers.mlp.kernel.value", (2, 4, 8))
+    assert mlp.names == ("model.layers.0.mlp.weight", "model.layers.1.mlp.weight")
+    assert names.place("model.h.0.rngs.dropout.key", (2,)) is None  # dropped
+    assert names.place("opt.mu.w", (4,)) is None  # not included

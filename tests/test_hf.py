@@ -93,7 +93,7 @@ def test_cli_export(gpt2_checkpoint, tmp_path):
     again = run_python("-m", "jaxckpt", "export", str(directory), str(out), check=False)
     assert again.returncode == 1
     assert again.stderr.strip().splitlines() == [
-        f"jaxckpt: error: {out} exists and is not empty; choose another directory or pass overwrite=True"
+        f"jaxckpt: error: {out} exists and is not empty; choose another OUT or pass --overwrite"
     ]
 
 

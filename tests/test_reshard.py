@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt.plan import process_bytes, read_batches
+from jaxckpt.plan import RESTORE_FIXED_BYTES, process_bytes, read_batches
 from jaxckpt.tree import LeafSpec, plan_restore
 
 
@@ -249,9 +249,12 @@ def test_plan_reports_per_process_reads_before_reading(saved, ckpt_dir):
         # Replicas count on each device: odd (x4 over "model"), rep (x2 over "data"),
         # key and count (x8); w and b are split over all 8 devices.
         assert process.device_bytes == 4096 + 64 + 4 * 240 + 2 * 24 + 8 * 8 + 8 * 4
-        # The largest batch read at once is w alone (4096 bytes > the 1024 budget), held as
-        # decoded bytes and a device copy; on CPU devices the restored arrays count too.
-        assert process.peak_host_bytes == 2 * 4096 + process.device_bytes
+        # On CPU devices the restored arrays are host memory; then half the largest batch
+        # read at once (w alone: 4096 bytes > the 1024 budget), a quarter of all bytes read
+        # and a fixed cost (fitted to measured restores: benchmarks/plan_memory.py).
+        assert process.peak_host_bytes == (
+            process.device_bytes + 4096 // 2 + stored // 4 + RESTORE_FIXED_BYTES
+        )
         assert "restore plan for step 1: 6 leaves" in str(plan)
 
         (replicated,) = m.plan(state=jaxckpt.target_on_mesh(abstract(saved), mesh, P())).processes

@@ -1,0 +1,169 @@
+"""`plan`'s peak-host-memory estimate against a measured restore, full and partial.
+
+Saves a ~256 MiB state (`params`: 4 leaves of 32 MiB; `opt`: 4 more) from a (4, 2) mesh of 8
+CPU devices, then, each in a fresh process, restores it onto a (2, 4) mesh: all of it, or
+`params` only (`partial=True`), with the default read budget (a quarter of host memory:
+everything in one batch) and with a 32 MiB one. Every restoring process reports its peak RSS
+above its baseline (taken just before `restore`, from `getrusage` ru_maxrss) and what
+`CheckpointManager.plan` predicted before reading.
+
+    python benchmarks/plan_memory.py [--repeat 3] [--out benchmarks/results/plan_memory.md]
+
+Target (issue 15): the estimate within ~25% of the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+SHAPE = (2048, 4096)  # 32 MiB of float32 a leaf; --leaves 4 per group, two groups: 256 MiB
+REPO = Path(__file__).resolve().parent.parent
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxckpt
+
+    mode, directory, partial, inflight = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    leaves = int(sys.argv[5])
+    inflight = None if inflight == "auto" else int(inflight)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    leaf = jax.ShapeDtypeStruct({shape}, jnp.float32)
+    abstract = {{g: {{f"w{{i}}": leaf for i in range(leaves)}} for g in ("params", "opt")}}
+
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if mode == "save":
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
+        sharding = NamedSharding(mesh, P("data", "model"))
+        make = jax.jit(lambda k: jax.random.normal(k, {shape}), out_shardings=sharding)
+        keys = iter(range(100))
+        state = jax.tree.map(lambda _: make(jax.random.key(next(keys))), abstract)
+        with jaxckpt.CheckpointManager(directory) as m:
+            m.save(1, state=state)
+        print("RESULT {{}}")
+    else:
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
+        if partial:
+            abstract = {{"params": abstract["params"]}}
+        target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
+        m = jaxckpt.CheckpointManager(directory, read_only=True, restore_inflight_bytes=inflight)
+        plan = m.plan(state=target, partial=partial).processes[0]
+        base = rss()
+        restored = m.restore(state=target, partial=partial)
+        jax.block_until_ready(restored.state)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print("RESULT " + json.dumps({{
+            "peak_above": peak - base, "read": plan.read_bytes, "held": plan.device_bytes,
+            "plan_peak": plan.peak_host_bytes,
+        }}))
+    """
+).format(shape=SHAPE)
+
+
+def run(mode: str, directory: Path, leaves: int, partial=False, inflight="auto") -> dict:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WORKER,
+            mode,
+            str(directory),
+            str(int(partial)),
+            inflight,
+            str(leaves),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][7:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--leaves", type=int, default=4, help="32 MiB leaves per group")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/plan_memory.md")
+    parser.add_argument(
+        "--inflight", nargs="+", default=["auto", str(32 * 2**20)], help="read budgets"
+    )
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="jaxckpt-plan-"))
+    rows = []
+    try:
+        run("save", directory, args.leaves)
+        for partial in (False, True):
+            for inflight in args.inflight:
+                runs = [
+                    run("restore", directory, args.leaves, partial, inflight)
+                    for _ in range(args.repeat)
+                ]
+                peak = statistics.median(r["peak_above"] for r in runs)
+                rows.append(
+                    {
+                        "restore": "partial (params)" if partial else "full",
+                        "budget": "auto" if inflight == "auto" else f"{int(inflight) >> 20} MiB",
+                        "read": runs[0]["read"],
+                        "peak": peak,
+                        "spread": (
+                            min(r["peak_above"] for r in runs),
+                            max(r["peak_above"] for r in runs),
+                        ),
+                        "plan": runs[0]["plan_peak"],
+                    }
+                )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    mib = 2**20
+    group = args.leaves * SHAPE[0] * SHAPE[1] * 4
+    lines = [
+        "# `plan`'s peak host memory estimate against measured restores",
+        "",
+        f"A {2 * group / mib:.0f} MiB state (params + opt, {args.leaves} leaves of "
+        f"{group // args.leaves // mib} MiB each) saved from (4, 2), restored onto (2, 4) on 8 "
+        f"CPU devices (their memory is host memory), each restore in a fresh process; medians "
+        f"of {args.repeat}. `python benchmarks/plan_memory.py --leaves {args.leaves}`. Machine: {os.cpu_count()} CPUs.",
+        "",
+        "| restore | read budget | bytes read | peak RSS above baseline | (min-max) | plan's estimate | estimate / measured |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lo, hi = r["spread"]
+        lines.append(
+            f"| {r['restore']} | {r['budget']} | {r['read'] / mib:.0f} MiB | "
+            f"{r['peak'] / mib:.0f} MiB ({r['peak'] / r['read']:.2f}x read) | "
+            f"{lo / mib:.0f}-{hi / mib:.0f} MiB | {r['plan'] / mib:.0f} MiB "
+            f"({r['plan'] / r['read']:.2f}x read) | {r['plan'] / r['peak']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
