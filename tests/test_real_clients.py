@@ -173,7 +173,7 @@ def test_relative_directories_work_everywhere(tmp_path, monkeypatch, mesh):
         assert loaded["w"][0, 0] == value, source
 
     compared = cli("diff", "rel/run", 40, 60, "--values")
-    assert compared.exit_code == 0, compared.output
+    assert compared.exit_code == 1, compared.output  # diff's convention: 1 = they differ
     assert "max |a - b| = 20" in compared.output
     exported = cli("export", "rel/run", "out")
     assert exported.exit_code == 0, exported.output
