@@ -254,7 +254,8 @@ class CheckpointManager:
             if step in self._store.committed_steps():
                 raise StepExistsError(
                     f"step {step} already exists in {self.directory}; jaxckpt never overwrites "
-                    "a committed step. Save under a new step number, or delete the old step first."
+                    "a committed step. Save under a new step number, or delete the old step first "
+                    "(`jaxckpt rm DIR STEP`)."
                 )
             raise StepExistsError(
                 f"the folder for step {step} ({self.directory / str(step)}) exists but was not "
@@ -587,7 +588,7 @@ class CheckpointManager:
 
             restore plan for step 20: 121 leaves, 1.00 GiB
               process       reads  on devices  peak host (est.)
-                    0    1.00 GiB    1.00 GiB          1.25 GiB
+                    0    1.00 GiB    1.00 GiB          1.78 GiB
         """
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
