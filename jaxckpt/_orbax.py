@@ -327,15 +327,26 @@ class OrbaxStore:
         first one that is not what jaxckpt writes (FileNotFoundError if there is none). Read
         as the plain JSON file Orbax's JsonCheckpointHandler wrote, which costs no Orbax
         restore (and no barrier between processes)."""
+        rel = f"{INFO}/{INFO_FILE}"
         try:
-            with open_inside(self.step_dir(step), f"{INFO}/{INFO_FILE}") as f:
-                return _check_info(json.loads(f.read()))
+            return _check_info(self._read_json(step, rel))
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                step, [f"{rel} is unreadable: {e}"], str(self.directory)
+            ) from None
+
+    def _read_json(self, step: int, rel: str) -> Any:
+        """A small JSON file of the step, opened without following links: FileNotFoundError
+        if it is not there, CorruptCheckpointError naming it if it cannot be read."""
+        try:
+            with open_inside(self.step_dir(step), rel) as f:
+                return json.loads(f.read())
         except FileNotFoundError:
             raise
         except (OSError, ValueError, RecursionError) as e:
             problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise CorruptCheckpointError(
-                step, [f"{INFO}/{INFO_FILE} is unreadable: {problem}"], str(self.directory)
+                step, [f"{rel} is unreadable: {problem}"], str(self.directory)
             ) from None
 
     def read_arrays(
@@ -367,15 +378,9 @@ class OrbaxStore:
         array. CorruptCheckpointError when it is not what jaxckpt writes."""
         rel = f"{DATA}/{about_file()}"
         try:
-            with open_inside(self.step_dir(step), rel) as f:
-                about = json.loads(f.read())
+            about = self._read_json(step, rel)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, RecursionError) as e:
-            problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise CorruptCheckpointError(
-                step, [f"{rel} is unreadable: {problem}"], str(self.directory)
-            ) from None
         if not (
             isinstance(about, dict)
             and isinstance(about.get("type"), str)
