@@ -86,6 +86,8 @@ logging.getLogger("absl").addFilter(_demote_orbax_noise)
 STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
 INFO_FILE = "jaxckpt.json"
 FORMAT_VERSION = 1  # of jaxckpt.json
+DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # as _DataStateHandler names them
+MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
 REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
 # Retention deletes in the background. On local disk the step folder is first renamed to
@@ -395,6 +397,46 @@ class OrbaxStore:
                 step, [f"{rel} is not an iterator description"], str(self.directory)
             )
         return about
+
+    def read_data_states(self, step: int, kind: str | None) -> list[dict[str, Any]]:
+        """Every process's saved data-iterator state (`data/process_<i>-of-<n>.json`, for
+        `jaxckpt inspect --data`), parsed when it is JSON (grain's states are), else the
+        saved text; read as plain files (never through a link), at most 1 MiB each."""
+        if kind is None:
+            return []
+        try:
+            names = sorted(p.name for p in (self.step_dir(step) / DATA).iterdir())
+        except FileNotFoundError:
+            names = []
+        found = sorted(
+            (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
+        )
+        if not found:
+            raise CorruptCheckpointError(
+                step, [f"{DATA}/ holds no process_<i>-of-<n>.json file"], str(self.directory)
+            )
+        states = []
+        for process, processes, name in found:
+            rel = f"{DATA}/{name}"
+            try:
+                with open_inside(self.step_dir(step), rel) as f:
+                    raw = f.read(MAX_DATA_STATE_BYTES + 1)
+            except OSError as e:
+                problem = f"{rel} is unreadable: {e.strerror or e}"
+                raise CorruptCheckpointError(step, [problem], str(self.directory)) from None
+            if len(raw) > MAX_DATA_STATE_BYTES:
+                problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
+                raise CorruptCheckpointError(step, [problem], str(self.directory))
+            text = raw.decode("utf-8", errors="replace")
+            try:
+                state = json.loads(text)
+            except (ValueError, RecursionError):
+                if kind == "json":
+                    problem = f"{rel} is not JSON, but the step records a JSON state"
+                    raise CorruptCheckpointError(step, [problem], str(self.directory)) from None
+                state = text
+            states.append({"process": process, "processes": processes, "state": state})
+        return states
 
     def read_data_state(self, step: int) -> str:
         with _read_errors(step, DATA, self.directory):

@@ -464,54 +464,12 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
 
 
 # A data-iterator state is a small JSON document (grain's: a few hundred bytes).
-MAX_DATA_STATE_BYTES = 2**20
-DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
-
-
 def _data_states(directory: str, step: int, kind: str | None) -> list[dict]:
-    """Each process's saved data-iterator state (`data/process_<i>-of-<n>.json`), parsed
-    when it is JSON (grain's states are), else as the saved text."""
-    from etils import epath
-
-    from jaxckpt import _orbax
-    from jaxckpt.storage import open_inside
-
-    if kind is None:
-        return []
-    step_dir = epath.Path(directory) / str(step)
+    store = _store(directory)
     try:
-        names = sorted(p.name for p in (step_dir / _orbax.DATA).iterdir())
-    except FileNotFoundError:
-        names = []
-    found = sorted(
-        (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
-    )
-    if not found:
-        raise CorruptCheckpointError(
-            step, [f"{_orbax.DATA}/ holds no process_<i>-of-<n>.json file"], directory
-        )
-    states = []
-    for process, processes, name in found:
-        rel = f"{_orbax.DATA}/{name}"
-        try:
-            with open_inside(step_dir, rel) as f:
-                raw = f.read(MAX_DATA_STATE_BYTES + 1)
-        except OSError as e:
-            problem = f"{rel} is unreadable: {e.strerror or e}"
-            raise CorruptCheckpointError(step, [problem], directory) from None
-        if len(raw) > MAX_DATA_STATE_BYTES:
-            problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
-            raise CorruptCheckpointError(step, [problem], directory)
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            state = json.loads(text)
-        except (ValueError, RecursionError):
-            if kind == "json":
-                problem = f"{rel} is not JSON, but the step records a JSON state"
-                raise CorruptCheckpointError(step, [problem], directory) from None
-            state = text
-        states.append({"process": process, "processes": processes, "state": state})
-    return states
+        return store.read_data_states(step, kind)
+    finally:
+        store.close()
 
 
 @main.command()
