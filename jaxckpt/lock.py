@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.errors import LockedError
-from jaxckpt.storage import gcs_blob, is_remote
+from jaxckpt.storage import file_kind, gcs_blob, is_remote
 
 log = logging.getLogger("jaxckpt")
 LOCK_FILE = ".jaxckpt-writer.lock"
@@ -299,11 +299,7 @@ def _not_a_lock_file(path: Path, what: str) -> LockedError:
 def _kind(st: os.stat_result) -> str:
     if stat.S_ISREG(st.st_mode):
         return f"a regular file with {st.st_nlink} hard links (one of them elsewhere)"
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory"
-    if stat.S_ISFIFO(st.st_mode):
-        return "a FIFO"
-    return "a special file"
+    return file_kind(st.st_mode)
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt.errors import FormatError, UnsupportedValueError
-from jaxckpt.storage import is_remote
+from jaxckpt.storage import file_kind, is_remote
 
 MAX_HEADER = 100 * 1000 * 1000  # the limit safetensors itself enforces
 
@@ -488,7 +488,7 @@ def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | 
         info = os.fstat(fd)
         if not stat_module.S_ISREG(info.st_mode):
             raise FormatError(
-                f"{path} is {_kind(info.st_mode)}, not a regular file; safetensors are read only "
+                f"{path} is {file_kind(info.st_mode)}, not a regular file; safetensors are read only "
                 "from regular files"
             )
         os.set_blocking(fd, True)
@@ -498,19 +498,6 @@ def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | 
         raise
     with f:
         yield f, info.st_size, (info.st_dev, info.st_ino)
-
-
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat_module.S_ISFIFO, "a FIFO"),
-        (stat_module.S_ISCHR, "a character device"),
-        (stat_module.S_ISBLK, "a block device"),
-        (stat_module.S_ISDIR, "a directory"),
-        (stat_module.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return "not a regular file"
 
 
 def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:

@@ -53,6 +53,21 @@ def gcs_blob(path: str | os.PathLike) -> Any:
     return _client().bucket(bucket).blob(name)
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its `st_mode`, for error messages."""
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
 def open_inside(root: Any, rel: str) -> Any:
     """Opens the file `root/rel` for reading. Locally it goes down one folder at a time
     without following a link, and opens only a regular file: a folder swapped for a link
