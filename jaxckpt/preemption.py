@@ -81,8 +81,10 @@ class PreemptionWatcher:
         if self._noticed.is_set():
             self._escalate(signum, frame)
             return
-        log.warning("preemption notice: signal %s; the next should_save() is true", signum)
+        # Set before logging: Python may run the next signal's handler inside this one (in
+        # the logging call), which must then see the notice and escalate.
         self._noticed.set()
+        log.warning("preemption notice: signal %s; the next should_save() is true", signum)
 
     def _escalate(self, signum, frame) -> None:
         """A signal after the notice: what it did before jaxckpt caught it (the default
