@@ -21,7 +21,6 @@ import gc
 import json
 import logging
 import operator
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -630,12 +629,12 @@ class CheckpointManager:
         """The SaveError for `step`, worded from the directory once nothing of the step is
         still running: Orbax may fail in the foreground after it started the step's commit
         in the background (a barrier with a dead process), and that commit can still land."""
-        missing = _missing_processes(error)
+        missing = _orbax.missing_processes(error)
         if not background:
             try:
                 self._store.wait()  # bounded: each barrier in it times out after timeout_s
             except Exception as late:
-                missing = sorted({*missing, *_missing_processes(late)})
+                missing = sorted({*missing, *_orbax.missing_processes(late)})
         committed = self._store.committed_steps()
         return SaveError(step, error, committed, background=background, missing=missing)
 
@@ -654,16 +653,6 @@ class _Deleted(Exception):
 
     def __init__(self, step: int):
         self.step = step
-
-
-def _missing_processes(error: BaseException) -> list[int]:
-    """The processes a multi-host barrier waited for in vain, as JAX's coordination service
-    names them: after the barrier timeout, or after a dead task's heartbeat timeout."""
-    text = str(error)
-    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
-    tasks = re.findall(r"\d+", found.group(1)) if found else []
-    tasks += re.findall(r"Task (\d+) heartbeat timeout", text)
-    return sorted({int(t) for t in tasks})
 
 
 @contextlib.contextmanager

@@ -183,18 +183,17 @@ def test_a_save_failing_after_its_background_commit_started_says_whether_it_comm
     """Orbax's save can fail in the foreground after it started the step's commit in the
     background: on several hosts, its last barrier meets a dead process. The error is worded
     once that commit is over, from the directory, and the manager keeps working."""
-    import orbax.checkpoint as ocp
-
     import jaxckpt
+    from jaxckpt import _orbax
 
-    old_steps = ocp.CheckpointManager._get_old_steps_to_remove
+    save = _orbax.OrbaxStore.save
 
-    def fail_at_step_2(self):  # runs after the background commit started, before the barrier
-        if self._checkpoints and self._checkpoints[-1].step == 2:
+    def fail_at_step_2(self, step, **kwargs):  # Orbax's save returned: the commit runs
+        save(self, step, **kwargs)
+        if step == 2:
             raise OSError("the barrier after the write started failed")
-        return old_steps(self)
 
-    monkeypatch.setattr(ocp.CheckpointManager, "_get_old_steps_to_remove", fail_at_step_2)
+    monkeypatch.setattr(_orbax.OrbaxStore, "save", fail_at_step_2)
     x = np.arange(1024, dtype=np.float32)
     with jaxckpt.CheckpointManager(tmp_path) as m:
         m.save(1, state={"x": x + 1})

@@ -4,7 +4,6 @@ The first steps of object-storage support: an async save and a resharded restore
 Orbax's own GCS commit (a commit marker, no rename), and jaxckpt's manifest verified there.
 """
 
-import asyncio
 import json
 import os
 import signal
@@ -12,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -156,17 +156,15 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog,
         (1, "committed"),
         (2, "uncommitted"),
     ]
-    # Orbax removes the leftover in the background from start-up: made slow here, so the
+    # jaxckpt removes the leftover in the background from start-up: made slow here, so the
     # save of the same step number below must wait for it.
-    from orbax.checkpoint._src.path import temporary_paths
+    remove = _orbax._remove
 
-    cleanup = temporary_paths.cleanup_temporary_paths
+    def slow_remove(path):
+        time.sleep(1)
+        return remove(path)
 
-    async def slow_cleanup(*args, **kwargs):
-        await asyncio.sleep(1)
-        return await cleanup(*args, **kwargs)
-
-    monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow_cleanup)
+    monkeypatch.setattr(_orbax, "_remove", slow_remove)
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.
     with jaxckpt.CheckpointManager(gcs_dir) as m:
         assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (

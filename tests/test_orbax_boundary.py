@@ -1,0 +1,48 @@
+"""What jaxckpt relies on beyond Orbax's public API, one test each (the fenced block of
+`jaxckpt/_orbax.py`): an Orbax or JAX upgrade that removes one fails here, by name, rather
+than somewhere deep in a save. The text of JAX's coordination-service errors that
+`missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+import jaxckpt
+from jaxckpt import _orbax
+
+
+def test_the_managers_checkpointer_is_there_to_wait_for(tmp_path):
+    mngr = ocp.CheckpointManager(tmp_path / "orbax")
+    try:
+        assert callable(mngr._checkpointer.wait_until_finished), (
+            "orbax.checkpoint.CheckpointManager._checkpointer.wait_until_finished is gone: "
+            "update _orbax._wait_for_background_commit"
+        )
+        _orbax._wait_for_background_commit(mngr)
+    finally:
+        mngr.close()
+
+
+def test_the_array_metadata_store_is_orbaxs_default():
+    store = _orbax._array_metadata_store()
+    assert type(store).__module__.startswith("orbax.checkpoint._src.metadata"), type(store)
+
+
+def test_writes_done_is_announced_before_the_commit(tmp_path):
+    seen = []
+
+    def writes_done():
+        seen.append(sorted(p.name for p in tmp_path.iterdir() if p.name != ".jaxckpt-writer.lock"))
+
+    with _orbax.on_writes_done(writes_done), jaxckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state={"x": np.arange(8.0)})
+        m.wait()
+    assert seen == [["1.orbax-checkpoint-tmp"]], (
+        f"Orbax no longer records {_orbax._WRITES_DONE_EVENT} once a save's arrays are "
+        f"written and before its commit (seen: {seen})"
+    )
+
+
+def test_unfinished_saves_are_listed_by_orbax(tmp_path):
+    (tmp_path / "3.orbax-checkpoint-tmp").mkdir()
+    (tmp_path / "4").mkdir()
+    assert ocp.path.step.tmp_checkpoints(tmp_path) == ["3.orbax-checkpoint-tmp"]
