@@ -1,20 +1,9 @@
 """The only module that talks to Orbax.
 
 jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt.tree`) and small JSON documents;
-everything about handlers, restore args and step directories stays in this file, so the Orbax
-API (v0 `CheckpointManager` today) can be swapped without touching the rest.
-
-One step on disk (Orbax writes it into `<step>.orbax-checkpoint-tmp` and renames it into place
-when every item is written, so a step directory exists only once committed):
-
-    <directory>/<step>/
-        state/                      the state tree: tensorstore OCDBT, one entry per leaf name
-        rng/                        PRNG keys as raw key data (only when rng= was given)
-        data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
-        data/iterator_<i>-of-<n>.json what that iterator was (jaxckpt.iterators.describe)
-        jaxckpt/jaxckpt.json        leaf specs, user meta, versions: marks a jaxckpt step
-        jaxckpt/manifest.json       size + checksum of every file (see jaxckpt.integrity)
-        _CHECKPOINT_METADATA, commit_success.txt   Orbax's own
+everything about handlers, restore args and Orbax's step folders stays in this file, so the
+Orbax API (v0 `CheckpointManager` today) can be swapped without touching the rest. What a
+step is on disk is `jaxckpt._layout`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -34,16 +21,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.errors import (
-    CorruptCheckpointError,
-    JaxckptError,
-    NoCheckpointError,
-    RestoreError,
-    StepNotFoundError,
-)
+from jaxckpt import _layout as layout
+from jaxckpt import integrity
+from jaxckpt.errors import CorruptCheckpointError, JaxckptError, NoCheckpointError, RestoreError
+from jaxckpt.lock import ObjectLease, WriterLock
 from jaxckpt.plan import read_batches
-from jaxckpt.storage import absolute, is_remote, open_inside
-from jaxckpt.tree import LeafSpec, ReadRequest
+from jaxckpt.storage import absolute, is_remote
+from jaxckpt.tree import ReadRequest
 
 log = logging.getLogger("jaxckpt")
 
@@ -139,47 +123,24 @@ def missing_processes(error: BaseException) -> list[int]:
 
 # --- end of Orbax's and JAX's internals -------------------------------------------------
 
-STATE, RNG, DATA, INFO = "state", "rng", "data", "jaxckpt"
-INFO_FILE = "jaxckpt.json"
-FORMAT_VERSION = 1  # of jaxckpt.json
-DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # as _DataStateHandler names them
-MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step until it commits
 REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
-# Retention deletes in the background. On local disk the step folder is first renamed to
-# `<step>.jaxckpt-deleting`; object storage has no rename (it copies every object), so a
-# `<step>.jaxckpt-tombstone` object hides the step until its objects are gone.
-DELETING_SUFFIX = ".jaxckpt-deleting"
-TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
 # OCDBT packs a process's writes into data files of about this size, written in parallel;
 # without a target it writes one file at a time (2-3x slower, BENCHMARKS.md).
 DATA_FILE_BYTES = 128 * 2**20
 
 
-def step_of(name: str) -> int | None:
-    """The step a folder name stands for: ASCII digits in canonical form (`12`, never `012`,
-    `²` or `①`), which is how jaxckpt names step folders; None for any other name."""
-    if not (name.isascii() and name.isdigit()) or (name != "0" and name.startswith("0")):
-        return None
-    return int(name)
-
-
 class _DataStateHandler(ocp.CheckpointHandler):
     """Writes each process's data-iterator state to its own file, and beside it what the
     iterator was (`jaxckpt.iterators.describe`), checked at restore before any array is
-    read. Per process, as the states are: each process's pipeline reads its own shard.
-
-    The state files are named as grain's own Orbax handler names them
-    (`process_<i>-of-<n>.json`), the descriptions `iterator_<i>-of-<n>.json`.
-    """
+    read. Per process, as the states are: each process's pipeline reads its own shard."""
 
     def save(self, directory: epath.Path, args: DataSave) -> None:
-        self._path(directory).write_text(args.text)
+        self._path(directory, "process").write_text(args.text)
         if args.about is not None:
-            (directory / about_file()).write_text(args.about)
+            self._path(directory, "iterator").write_text(args.about)
 
     def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
-        path = self._path(directory)
+        path = self._path(directory, "process")
         if not path.exists():
             saved = sorted(p.name for p in directory.glob("process_*.json"))
             raise FileNotFoundError(
@@ -192,13 +153,8 @@ class _DataStateHandler(ocp.CheckpointHandler):
         return None
 
     @staticmethod
-    def _path(directory: epath.Path) -> epath.Path:
-        return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-
-
-def about_file() -> str:
-    """This process's iterator description, in the data item's folder."""
-    return f"iterator_{jax.process_index()}-of-{jax.process_count()}.json"
+    def _path(directory: epath.Path, kind: str) -> epath.Path:
+        return directory / layout.data_file(kind, jax.process_index(), jax.process_count())
 
 
 @ocp.args.register_with_handler(_DataStateHandler, for_save=True)
@@ -215,7 +171,8 @@ class DataRestore(ocp.args.CheckpointArgs):
 
 
 class OrbaxStore:
-    """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`."""
+    """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`; the
+    owner of the commit protocol (see `save`)."""
 
     def __init__(
         self,
@@ -225,12 +182,12 @@ class OrbaxStore:
         restore_inflight_bytes: int = 2**30,
         compression: str | None = None,
         read_only: bool = False,
-        before_commit: Callable[[epath.Path], None] | None = None,
+        lock: WriterLock | ObjectLease | None = None,
     ):
-        """`before_commit(step_dir)` runs on process 0 once every item of a step is written
-        on every process, just before the step is renamed into place (committed)."""
+        """`lock`: the writer's lock (held by process 0), checked before each save and
+        before each commit."""
         self.directory = epath.Path(absolute(directory))
-        self._before_commit = before_commit
+        self._lock = lock
         self._saving: int | None = None
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
@@ -248,7 +205,7 @@ class OrbaxStore:
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
                 timeout_secs=timeout_s,
-                post_finalization_callback=None if read_only else self._on_finalized,
+                post_finalization_callback=None if read_only else self._before_commit,
                 # The step's folders are made in save() itself. Made in the background,
                 # each of Orbax's (non-daemon) writer threads waits for a "created" signal
                 # for Orbax's own 300 s, not timeout_s, and a failed creation never sends
@@ -261,10 +218,10 @@ class OrbaxStore:
             self.directory,
             options=options,
             item_handlers={
-                STATE: arrays,
-                RNG: arrays,
-                DATA: _DataStateHandler(),
-                INFO: ocp.JsonCheckpointHandler(filename=INFO_FILE),
+                layout.STATE: arrays,
+                layout.RNG: arrays,
+                layout.DATA: _DataStateHandler(),
+                layout.META_DIR: ocp.JsonCheckpointHandler(filename=layout.INFO_FILE),
             },
         )
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
@@ -273,45 +230,37 @@ class OrbaxStore:
             # In the background from start-up (a reader never deletes anything): saves that
             # never committed (a killed process), and deletions that never finished.
             self._leftovers = [
-                self._deleter.submit(_remove, self.directory / name)
-                for name in ocp.path.step.tmp_checkpoints(self.directory)
+                self._deleter.submit(_remove, self.directory / n, "an unfinished save's leftovers")
+                for n in ocp.path.step.tmp_checkpoints(self.directory)
             ]
-            for leftover in self.directory.glob(f"*{DELETING_SUFFIX}"):
+            for leftover in self.directory.glob(f"*{layout.DELETING_SUFFIX}"):
                 self._deleter.submit(_remove, leftover)
             for step in self._tombstoned():
                 self._deleter.submit(self._remove_tombstoned, step)
 
-    def committed_steps(self) -> list[int]:
-        """Committed steps written by jaxckpt (Orbax-only or foreign directories are ignored)."""
+    def scan(self) -> layout.Listing:
+        """The directory as it is now (another process may have written or deleted)."""
         if not self.directory.exists():  # removed under a reader
-            return []
-        self._mngr.reload()  # re-read the directory: another process may have written
-        hidden = self._tombstoned()
-        return sorted(
-            s
-            for s in self._mngr.all_steps()
-            if s not in hidden
-            and (self.step_dir(s) / INFO / INFO_FILE).exists()
-            and not (not is_remote(self.directory) and os.path.islink(self.step_dir(s)))
+            return layout.Listing(self.directory)
+        self._mngr.reload()
+        names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
+        return layout.Listing.of(
+            self.directory,
+            finalized=set(self._mngr.all_steps()),
+            uncommitted={step for n in names if (step := layout.step_of(n)) is not None},
+            hidden=self._tombstoned(),
         )
 
-    def resolve(self, step: int | None) -> int:
-        """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
-        steps = self.committed_steps()
-        if not steps:
-            raise NoCheckpointError(f"no committed checkpoint in {self.directory}")
-        if step is None:
-            return steps[-1]
-        if step not in steps:
-            raise StepNotFoundError(step, steps, str(self.directory))
-        return step
+    def committed_steps(self) -> list[int]:
+        """Committed jaxckpt steps, oldest first (foreign step folders are not listed)."""
+        return list(self.scan().committed)
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
         # On object storage an unfinished save sits at its step's path: its removal, started
         # at start-up, ends first (a failed one is logged, and the next writer tries again).
         concurrent.futures.wait(self._leftovers)
-        return (self.directory / str(step)).exists()
+        return self.step_dir(step).exists()
 
     def save(
         self,
@@ -320,12 +269,28 @@ class OrbaxStore:
         state: Mapping[str, Any],
         rng: Mapping[str, Any],
         data: str | None,
-        info: Mapping[str, Any],
+        info: layout.StepInfo,
         data_about: str | None = None,
     ) -> None:
-        """Starts an async save; returns once device arrays are copied to host memory."""
-        args: dict[str, Any] = {INFO: ocp.args.JsonSave(dict(info))}
-        for item, arrays in ((STATE, state), (RNG, rng)):
+        """Starts an async save; returns once device arrays are copied to host memory.
+
+        The commit protocol, all of it here:
+        1. Before anything is written, the writer's lock is checked (`LockedError` if this
+           job lost it: its lock file was removed or replaced, or its lease taken over).
+        2. Orbax makes `<step>.orbax-checkpoint-tmp` (on object storage, `<step>` itself)
+           now, and every process writes its shards into it in the background.
+        3. Once every item is written on every process (Orbax's post-finalization
+           callback, `_before_commit`), process 0 writes the manifest of every file
+           (`integrity.write_manifest`), then asks the lock again, of the server itself
+           for a lease: a writer that lost it raises there and the step never commits.
+        4. Orbax renames the folder to `<step>` (object storage: writes its
+           `commit_success.txt`). The step is committed, and listed, from then on.
+        A failure at 2-4 is raised by `wait` (as the background error it is).
+        """
+        if self._lock is not None:
+            self._lock.check()
+        args: dict[str, Any] = {layout.META_DIR: ocp.args.JsonSave(info.to_json())}
+        for item, arrays in ((layout.STATE, state), (layout.RNG, rng)):
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             arrays = {name: a for name, a in arrays.items() if a.size}
             if arrays:
@@ -333,75 +298,27 @@ class OrbaxStore:
                     arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
         if data is not None:
-            args[DATA] = DataSave(data, data_about)
+            args[layout.DATA] = DataSave(data, data_about)
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
-    def _on_finalized(self) -> None:
-        # Orbax calls this in its background thread after all items are finalized and
-        # before it renames the step's temporary directory into place.
-        if self._before_commit is None or self._saving is None or jax.process_index() != 0:
+    def _before_commit(self) -> None:
+        # Orbax calls this in its background thread, on every process, after all items
+        # are finalized and before it renames the step's temporary folder into place.
+        if self._saving is None or jax.process_index() != 0:
             return
-        tmp = self.directory / f"{self._saving}{TMP_SUFFIX}"
-        self._before_commit(tmp if tmp.exists() else self.step_dir(self._saving))
+        tmp = self.directory / f"{self._saving}{layout.TMP_SUFFIX}"
+        integrity.write_manifest(tmp if tmp.exists() else self.step_dir(self._saving))
+        if self._lock is not None:  # last: a writer that lost its lock never commits
+            self._lock.check(confirm=True)
 
     def step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
-
-    def step_dirs(self) -> dict[int, epath.Path]:
-        """Every step-named directory, committed or not jaxckpt's; never a save still in
-        progress or cut off (on object storage such a save sits at its step's path)."""
-        if not self.directory.exists():
-            return {}
-        hidden = self._tombstoned()
-        if is_remote(self.directory):
-            hidden |= set(self.uncommitted_steps())
-        return {
-            step: p
-            for p in self.directory.iterdir()
-            if (step := step_of(p.name)) is not None and step not in hidden and p.is_dir()
-        }
-
-    def uncommitted_steps(self) -> list[int]:
-        """Steps whose save is in progress or never finished: Orbax's temporary folders
-        (`<step>.orbax-checkpoint-tmp` on local disk; on object storage, step folders
-        without Orbax's commit marker)."""
-        if not self.directory.exists():
-            return []
-        names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
-        return sorted(step for n in names if (step := step_of(n)) is not None)
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
         self._mngr.wait_until_finished()
         _wait_for_background_commit(self._mngr)
-
-    def read_info(self, step: int) -> dict[str, Any]:
-        """The step's jaxckpt.json, every field checked: CorruptCheckpointError naming the
-        first one that is not what jaxckpt writes (FileNotFoundError if there is none). Read
-        as the plain JSON file Orbax's JsonCheckpointHandler wrote, which costs no Orbax
-        restore (and no barrier between processes)."""
-        rel = f"{INFO}/{INFO_FILE}"
-        try:
-            return _check_info(self._read_json(step, rel))
-        except ValueError as e:
-            raise CorruptCheckpointError(
-                step, [f"{rel} is unreadable: {e}"], str(self.directory)
-            ) from None
-
-    def _read_json(self, step: int, rel: str) -> Any:
-        """A small JSON file of the step, opened without following links: FileNotFoundError
-        if it is not there, CorruptCheckpointError naming it if it cannot be read."""
-        try:
-            with open_inside(self.step_dir(step), rel) as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
-            raise
-        except (OSError, ValueError, RecursionError) as e:
-            problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise CorruptCheckpointError(
-                step, [f"{rel} is unreadable: {problem}"], str(self.directory)
-            ) from None
 
     def read_arrays(
         self, step: int, item: str, requests: Mapping[str, ReadRequest]
@@ -426,73 +343,11 @@ class OrbaxStore:
             out.update(got)
         return out
 
-    def read_data_about(self, step: int) -> dict[str, Any] | None:
-        """What this process's data iterator was at save (None: a step saved before jaxckpt
-        recorded it, or by another number of processes); read as a plain file, before any
-        array. CorruptCheckpointError when it is not what jaxckpt writes."""
-        rel = f"{DATA}/{about_file()}"
-        try:
-            about = self._read_json(step, rel)
-        except FileNotFoundError:
-            return None
-        if not (
-            isinstance(about, dict)
-            and isinstance(about.get("type"), str)
-            and all(
-                isinstance(about.get(k, []), list)
-                and all(isinstance(e, str) for e in about.get(k, []))
-                for k in ("state", "pipeline")
-            )
-            and isinstance(about.get("config", {}), dict)
-        ):
-            raise CorruptCheckpointError(
-                step, [f"{rel} is not an iterator description"], str(self.directory)
-            )
-        return about
-
-    def read_data_states(self, step: int, kind: str | None) -> list[dict[str, Any]]:
-        """Every process's saved data-iterator state (`data/process_<i>-of-<n>.json`, for
-        `jaxckpt inspect --data`), parsed when it is JSON (grain's states are), else the
-        saved text; read as plain files (never through a link), at most 1 MiB each."""
-        if kind is None:
-            return []
-        try:
-            names = sorted(p.name for p in (self.step_dir(step) / DATA).iterdir())
-        except FileNotFoundError:
-            names = []
-        found = sorted(
-            (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
-        )
-        if not found:
-            raise CorruptCheckpointError(
-                step, [f"{DATA}/ holds no process_<i>-of-<n>.json file"], str(self.directory)
-            )
-        states = []
-        for process, processes, name in found:
-            rel = f"{DATA}/{name}"
-            try:
-                with open_inside(self.step_dir(step), rel) as f:
-                    raw = f.read(MAX_DATA_STATE_BYTES + 1)
-            except OSError as e:
-                problem = f"{rel} is unreadable: {e.strerror or e}"
-                raise CorruptCheckpointError(step, [problem], str(self.directory)) from None
-            if len(raw) > MAX_DATA_STATE_BYTES:
-                problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
-                raise CorruptCheckpointError(step, [problem], str(self.directory))
-            text = raw.decode("utf-8", errors="replace")
-            try:
-                state = json.loads(text)
-            except (ValueError, RecursionError):
-                if kind == "json":
-                    problem = f"{rel} is not JSON, but the step records a JSON state"
-                    raise CorruptCheckpointError(step, [problem], str(self.directory)) from None
-                state = text
-            states.append({"process": process, "processes": processes, "state": state})
-        return states
-
     def read_data_state(self, step: int) -> str:
-        with _read_errors(step, DATA, self.directory):
-            return self._mngr.restore(step, args=ocp.args.Composite(**{DATA: DataRestore()}))[DATA]
+        with _read_errors(step, layout.DATA, self.directory):
+            return self._mngr.restore(
+                step, args=ocp.args.Composite(**{layout.DATA: DataRestore()})
+            )[layout.DATA]
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
@@ -502,10 +357,10 @@ class OrbaxStore:
         its objects and then the tombstone are deleted."""
         if jax.process_index() == 0:
             if is_remote(self.directory):
-                (self.directory / f"{step}{TOMBSTONE_SUFFIX}").write_bytes(b"")
+                (self.directory / f"{step}{layout.TOMBSTONE_SUFFIX}").write_bytes(b"")
                 self._deleter.submit(self._remove_tombstoned, step)
             else:
-                doomed = self.directory / f"{step}{DELETING_SUFFIX}"
+                doomed = self.directory / f"{step}{layout.DELETING_SUFFIX}"
                 self.step_dir(step).rename(doomed)
                 self._deleter.submit(_remove, doomed)
         if jax.process_count() > 1:
@@ -521,56 +376,15 @@ class OrbaxStore:
         if not is_remote(self.directory):
             return set()
         names = (
-            p.name.removesuffix(TOMBSTONE_SUFFIX)
-            for p in self.directory.glob(f"*{TOMBSTONE_SUFFIX}")
+            p.name.removesuffix(layout.TOMBSTONE_SUFFIX)
+            for p in self.directory.glob(f"*{layout.TOMBSTONE_SUFFIX}")
         )
-        return {step for n in names if (step := step_of(n)) is not None}
+        return {step for n in names if (step := layout.step_of(n)) is not None}
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""
         if _remove(self.step_dir(step)):
-            _remove(self.directory / f"{step}{TOMBSTONE_SUFFIX}")
-
-
-def _check_info(doc: Any) -> dict[str, Any]:
-    """A jaxckpt.json document, checked field by field (ValueError naming the field)."""
-    if not isinstance(doc, dict):
-        raise ValueError("it is not a JSON object")
-    version = doc.get("format")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise ValueError("'format' is not a format version")
-    if version > FORMAT_VERSION:
-        raise ValueError(
-            f"it has format {version}, written by a newer jaxckpt (this one reads format "
-            f"{FORMAT_VERSION}); upgrade jaxckpt to read it"
-        )
-    items = doc.get("items")
-    if not isinstance(items, dict):
-        raise ValueError("'items' is not an object")
-    for item in (STATE, RNG):
-        specs = items.get(item)
-        if not isinstance(specs, list):
-            raise ValueError(f"'items.{item}' is not a list of leaves")
-        for spec in specs:
-            try:
-                LeafSpec.from_json(spec)
-            except ValueError as e:
-                raise ValueError(f"'items.{item}': {e}") from None
-    if doc.get("data") not in (None, "json", "bytes"):
-        raise ValueError('\'data\' is not null, "json" or "bytes"')
-    kinds = doc.get("node_types")
-    if kinds is not None and not (
-        isinstance(kinds, dict)
-        and all(
-            isinstance(names, list) and all(isinstance(n, str) for n in names)
-            for names in kinds.values()
-        )
-    ):
-        raise ValueError("'node_types' is not an object of lists of type names")
-    for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
-        if doc.get(key) is not None and not isinstance(doc[key], kind):
-            raise ValueError(f"{key!r} is not a {kind.__name__}")
-    return doc
+            _remove(self.directory / f"{step}{layout.TOMBSTONE_SUFFIX}")
 
 
 @contextlib.contextmanager
@@ -601,7 +415,7 @@ def _check_read(
     )
     raise CorruptCheckpointError(
         step,
-        [f"{item} leaf {name!r} is {found}, but {INFO}/{INFO_FILE} records shape {request.shape}"],
+        [f"{item} leaf {name!r} is {found}, but {layout.INFO_PATH} records shape {request.shape}"],
         str(directory),
     )
 
@@ -629,7 +443,7 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     )
 
 
-def _remove(path: epath.Path) -> bool:
+def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
     """Deletes a folder or object; a failure is logged (the next writer retries it)."""
     try:
         if path.is_dir():
@@ -638,7 +452,7 @@ def _remove(path: epath.Path) -> bool:
             path.unlink(missing_ok=True)
         return True
     except Exception as e:
-        log.warning("could not delete %s (retried when a writer next opens it): %s", path, e)
+        log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
         return False
 
 

@@ -180,46 +180,25 @@ def _need_dir(directory: str) -> None:
         raise NoCheckpointError(f"{directory}: no such checkpoint directory")
 
 
-def _info(directory: str, step: int | None) -> tuple[int, dict]:
-    """The step (None: the latest committed) and its jaxckpt metadata."""
+def _info(directory: str, step: int | None) -> tuple[Any, Any]:
+    """The directory's path and the step's metadata (`StepInfo`; step None: the latest
+    committed)."""
+    from jaxckpt import _layout
+
     store = _store(directory)
     try:
-        step = store.resolve(step)
-        return step, store.read_info(step)
+        return store.directory, _layout.read_info(store.directory, store.scan().resolve(step))
     finally:
         store.close()
 
 
-def _specs(info: dict, item: str) -> list:
-    from jaxckpt.tree import LeafSpec
+def _check_item(item: str) -> None:
+    from jaxckpt import _layout
 
-    if item not in info["items"]:
+    if item not in _layout.ITEMS:
         raise click.BadParameter(
-            f"no item {item!r}; the step holds {sorted(info['items'])}", param_hint="--item"
+            f"no item {item!r}; the step holds {list(_layout.ITEMS)}", param_hint="--item"
         )
-    return [LeafSpec.from_json(d) for d in info["items"][item]]
-
-
-def _nbytes(spec) -> int:
-    return math.prod(spec.stored_shape) * spec.stored_dtype.itemsize
-
-
-def _layout(spec) -> str:
-    if spec.sharding is None:
-        return "host"
-    if "mesh" not in spec.sharding:
-        n = spec.sharding["devices"]
-        return f"{n} device{'s' * (n != 1)}"
-    mesh = ",".join(f"{k}={v}" for k, v in spec.sharding["mesh"].items())
-    return f"{spec.spec} on {mesh}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _du(path) -> tuple[int, int]:
@@ -331,44 +310,48 @@ DIR = click.argument("checkpoint_dir", metavar="DIR")
 def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     """The steps of a checkpoint directory: time, size, status; the latest marked *."""
     _cpu()
-    from jaxckpt import _orbax, integrity
+    from jaxckpt import _layout, integrity
+    from jaxckpt.plan import size_text
 
     store = _store(checkpoint_dir)
     try:
-        committed = store.committed_steps()
+        listing = store.scan()
         rows = []
         with _progress("verify step {key}") as update:
-            for step, path in sorted(store.step_dirs().items()):
-                if step in committed:
-                    try:
-                        info = store.read_info(step)
-                    except (CorruptCheckpointError, FileNotFoundError) as e:
-                        problem = "; ".join(getattr(e, "problems", ["jaxckpt.json is gone"]))
-                        rows.append(
-                            {"step": step, "status": f"damaged: {problem}", "latest": False}
-                        )
-                        continue
-                    status = "committed"
-                    if check:
-                        report = integrity.verify_step(
-                            path, step, progress=lambda s, d, t: update(s, d, t)
-                        )
-                        status = "verified" if report.ok else "CORRUPT"
-                    size, files = _du(path)
+            for step, path in sorted(listing.folders.items()):
+                if step in listing.damaged:
+                    rows.append(_damaged(step, listing.damaged[step]))
+                if step not in listing.committed:
+                    continue
+                try:
+                    info = _layout.read_info(store.directory, step)
+                except (CorruptCheckpointError, FileNotFoundError) as e:
                     rows.append(
-                        {
-                            "step": step,
-                            "saved_at": info.get("saved_at"),
-                            "bytes": size,
-                            "files": files,
-                            "leaves": len(info["items"][_orbax.STATE]),
-                            "status": status,
-                            "latest": step == committed[-1],
-                        }
+                        _damaged(
+                            step,
+                            "; ".join(getattr(e, "problems", [f"{_layout.INFO_PATH} is gone"])),
+                        )
                     )
-                elif problem := integrity.damage(path):
-                    rows.append({"step": step, "status": f"damaged: {problem}", "latest": False})
-        for step in store.uncommitted_steps():
+                    continue
+                status = "committed"
+                if check:
+                    report = integrity.verify_step(
+                        path, step, progress=lambda s, d, t: update(s, d, t)
+                    )
+                    status = "verified" if report.ok else "CORRUPT"
+                size, files = _du(path)
+                rows.append(
+                    {
+                        "step": step,
+                        "saved_at": info.saved_at,
+                        "bytes": size,
+                        "files": files,
+                        "leaves": len(info.state),
+                        "status": status,
+                        "latest": step == listing.committed[-1],
+                    }
+                )
+        for step in listing.uncommitted:
             rows.append(
                 {
                     "step": step,
@@ -391,7 +374,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                 "*" if r["latest"] else "",
                 str(r["step"]),
                 (r.get("saved_at") or "-")[:19].replace("T", " "),
-                _size(r["bytes"]) if "bytes" in r else "-",
+                size_text(r["bytes"]) if "bytes" in r else "-",
                 str(r.get("files", "-")),
                 str(r.get("leaves", "-")),
                 r["status"],
@@ -399,6 +382,10 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             for r in sorted(rows, key=lambda r: r["step"])
         ],
     )
+
+
+def _damaged(step: int, problem: str) -> dict:
+    return {"step": step, "status": f"damaged: {problem}", "latest": False}
 
 
 @main.command()
@@ -422,29 +409,32 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
         wanted = re.compile(pattern) if pattern is not None else None
     except re.error as e:
         raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
-    step, info = _info(checkpoint_dir, step)
-    specs = [s for s in _specs(info, item) if wanted is None or wanted.search(s.name)]
-    total = sum(_nbytes(s) for s in specs)
-    states = _data_states(checkpoint_dir, step, info.get("data")) if show_data else None
+    from jaxckpt import _layout
+    from jaxckpt.plan import size_text
+
+    _check_item(item)
+    path, info = _info(checkpoint_dir, step)
+    specs = [s for s in info.leaves(item) if wanted is None or wanted.search(s.name)]
+    total = sum(s.nbytes for s in specs)
+    states = _layout.read_data_states(path, info.step, info.data) if show_data else None
     if as_json:
         doc = {
-            "step": step,
+            "step": info.step,
             "item": item,
-            "saved_at": info.get("saved_at"),
-            "process_count": info.get("process_count"),
-            "data": info.get("data"),
-            "meta": info.get("meta"),
-            "leaves": [dict(s.to_json(), bytes=_nbytes(s)) for s in specs],
+            "saved_at": info.saved_at,
+            "process_count": info.process_count,
+            "data": info.data,
+            "meta": info.meta,
+            "leaves": [dict(s.to_json(), bytes=s.nbytes) for s in specs],
             "bytes": total,
         }
         if show_data:
             doc["data_states"] = states
         _json(doc)
         return
-    versions = info.get("versions") or {}
     click.echo(
-        f"step {step} of {checkpoint_dir}, saved {(info.get('saved_at') or '?')[:19]} by "
-        f"{info.get('process_count', '?')} process(es), jax {versions.get('jax', '?')}"
+        f"step {info.step} of {checkpoint_dir}, saved {(info.saved_at or '?')[:19]} by "
+        f"{info.process_count or '?'} process(es), jax {info.versions.get('jax', '?')}"
     )
     if states is not None:
         if not states:
@@ -452,24 +442,15 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
         for s in states:
             click.echo(f"process {s['process']} of {s['processes']}: {json.dumps(s['state'])}")
         return
-    if info.get("data"):
+    if info.data:
         click.echo("data-iterator state: saved by each process (show it with --data)")
-    if info.get("meta") is not None:
-        click.echo(f"meta: {json.dumps(info['meta'])[:200]}")
+    if info.meta is not None:
+        click.echo(f"meta: {json.dumps(info.meta)[:200]}")
     _table(
         ["leaf", "shape", "dtype", "saved sharding", "bytes"],
-        [[s.name, str(tuple(s.shape)), s.dtype, _layout(s), f"{_nbytes(s):,}"] for s in specs],
+        [[s.name, str(tuple(s.shape)), s.dtype, s.layout, f"{s.nbytes:,}"] for s in specs],
     )
-    click.echo(f"{len(specs)} leaves, {total:,} bytes ({_size(total)})")
-
-
-# A data-iterator state is a small JSON document (grain's: a few hundred bytes).
-def _data_states(directory: str, step: int, kind: str | None) -> list[dict]:
-    store = _store(directory)
-    try:
-        return store.read_data_states(step, kind)
-    finally:
-        store.close()
+    click.echo(f"{len(specs)} leaves, {total:,} bytes ({size_text(total)})")
 
 
 @main.command()
@@ -485,10 +466,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
     directories (DIR_A DIR_B): leaves added, removed, changed in shape or dtype, and with
     --values the largest absolute difference of each leaf."""
     _cpu()
-    import numpy as np
-
-    from jaxckpt.plan import read_batches
-    from jaxckpt.tree import ReadRequest
+    from jaxckpt._diff import diff as diff_steps
 
     if third is not None:
         try:
@@ -500,53 +478,28 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
             ) from None
     else:
         sides = [(first, None), (second, None)]
-    stores = [_store(d) for d, _ in sides]
-    try:
-        steps = [store.resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
-        a, b = (
-            {s.name: s for s in _specs(store.read_info(step), item)}
-            for store, step in zip(stores, steps, strict=True)
+    _check_item(item)
+    for directory, _ in sides:
+        _need_dir(directory)
+    with _progress("compare {key}") as update:
+        found = diff_steps(
+            sides[0][0],
+            sides[1][0],
+            step_a=sides[0][1],
+            step_b=sides[1][1],
+            item=item,
+            values=values,
+            progress=lambda done, total: update("values", done, total),
         )
-        added = sorted(set(b) - set(a))
-        removed = sorted(set(a) - set(b))
-        changed = sorted(
-            n for n in set(a) & set(b) if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype)
-        )
-        same = {n: a[n] for n in sorted(set(a) & set(b)) if n not in changed}
-        deltas: dict[str, float] = {}
-        if values:
-            requests = {}
-            for name, spec in same.items():
-                requests[name] = ReadRequest(spec.stored_shape, spec.stored_dtype, None)
-            total, done = sum(_nbytes(s) for s in same.values()), 0
-            with _progress("compare {key}") as update:
-                for batch in read_batches(requests, 128 * 2**20):
-                    got = [
-                        store.read_arrays(step, item, {n: requests[n] for n in batch})
-                        for store, step in zip(stores, steps, strict=True)
-                    ]
-                    for name in batch:
-                        x, y = (np.asarray(g[name]) for g in got)
-                        if x.dtype.kind in "fcV" or x.dtype.name == "bfloat16":
-                            x, y = x.astype(np.float64), y.astype(np.float64)
-                        elif x.dtype.kind == "b":
-                            x, y = x.astype(np.int8), y.astype(np.int8)
-                        else:
-                            x, y = x.astype(np.int64), y.astype(np.int64)
-                        deltas[name] = float(np.max(np.abs(x - y))) if x.size else 0.0
-                        done += _nbytes(same[name])
-                        update("values", done, total)
-    finally:
-        for store in stores:
-            store.close()
+    steps, a, b = found.steps, found.a, found.b
+    added, removed, changed, differing = found.added, found.removed, found.changed, found.differing
 
     def describe(spec) -> str:
         return f"{tuple(spec.shape)} {spec.dtype}"
 
-    differing = {n: d for n, d in deltas.items() if d != 0}
     # diff(1)'s exit status: 0 the same, 1 different (in the tree and, with --values, in a
     # value), 2 trouble (the group's handler).
-    different = bool(added or removed or changed or differing)
+    different = found.different
     if as_json:
         _json(
             {
@@ -556,7 +509,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 "added": added,
                 "removed": removed,
                 "changed": {n: [describe(a[n]), describe(b[n])] for n in changed},
-                "max_abs_diff": deltas if values else None,
+                "max_abs_diff": found.max_abs_diff,
                 "identical": not different if values else None,
                 "different": different,
             }
@@ -580,7 +533,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         if values:
             largest = max(differing.values(), default=0.0)
             summary += (
-                f", {len(differing)} of {len(same)} differ in value "
+                f", {len(differing)} of {len(found.max_abs_diff)} differ in value "
                 f"(largest |a - b|: {largest:.6g})"
             )
         click.echo(summary)
@@ -628,37 +581,18 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     _cpu(devices)
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxckpt.plan import auto_inflight_bytes, plan_reads
-    from jaxckpt.targets import fitting_spec
-    from jaxckpt.tree import ReadRequest
+    from jaxckpt.targets import requests_on_mesh
 
-    step, info = _info(checkpoint_dir, step)
-    specs = _specs(info, "state")
-    saved_axes = next((tuple(s.sharding["mesh"]) for s in specs if s.spec is not None), ())
+    _, info = _info(checkpoint_dir, step)
+    saved_axes = next((tuple(s.sharding["mesh"]) for s in info.state if s.spec is not None), ())
     names = _axis_names(mesh, shape, axes, saved_axes)
     target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
     sizes = dict(zip(names, shape, strict=True))
-
-    def placed(spec) -> PartitionSpec:  # the rule target_on_mesh(abstract, mesh) follows
-        return fitting_spec(spec.spec, spec.shape, sizes)
-
-    requests, replicated = {}, []
-    for spec in specs:
-        stored_shape, dtype = spec.stored_shape, spec.stored_dtype
-        if spec.sharding is None:
-            requests[spec.name] = ReadRequest(stored_shape, dtype, None)
-            continue
-        p = placed(spec)
-        if spec.spec is not None and p != spec.spec:
-            replicated.append(spec.name)
-        entries = tuple(p) + (None,) * (len(stored_shape) - len(tuple(p)))
-        requests[spec.name] = ReadRequest(
-            stored_shape, dtype, NamedSharding(target_mesh, PartitionSpec(*entries))
-        )
+    requests, replicated = requests_on_mesh(info.state, target_mesh)
     result = plan_reads(
-        step,
+        info.step,
         requests,
         inflight_bytes=inflight_bytes or auto_inflight_bytes(),
         processes=hosts,
@@ -761,7 +695,9 @@ def verify(checkpoint_dir, step, as_json) -> None:
     with _progress("verify step {key}") as update:
         reports = verify_dir(checkpoint_dir, step, progress=update)
     if not reports:
-        raise NoCheckpointError(f"no committed checkpoint in {checkpoint_dir}")
+        from jaxckpt._layout import no_checkpoint
+
+        raise no_checkpoint(checkpoint_dir)
     bad = [r.step for r in reports if not r.ok]
     # Sizes as `ls` shows them: every file of the step (the manifest checks all but itself
     # and Orbax's two commit files, which Orbax rewrites as it commits).
@@ -828,8 +764,9 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     try:
         store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True)
         try:
-            store.resolve(step)
-            steps = store.committed_steps()
+            listing = store.scan()
+            listing.resolve(step)
+            steps = listing.committed
             if step == steps[-1] and not force:
                 raise click.UsageError(
                     f"step {step} is the latest committed step in {checkpoint_dir}: a job "

@@ -35,11 +35,10 @@ import numpy as np
 from etils import epath
 from jax import tree_util
 
-from jaxckpt import _orbax, integrity
+from jaxckpt import _layout, _orbax, integrity
 from jaxckpt import safetensors_format as st
 from jaxckpt.errors import (
     ConfigError,
-    CorruptCheckpointError,
     FormatError,
     LeafMismatchError,
     MissingShardingError,
@@ -127,37 +126,22 @@ def export_safetensors(
 
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
     try:
-        step = store.resolve(step)
-        if unsafe := integrity.unsafe_entries(store.step_dir(step)):  # before any read
-            raise CorruptCheckpointError(step, unsafe, str(store.directory))
-        # The files are hashed in a worker thread while the tensors are written to a
-        # temporary directory, which is published only if they match: corrupt weights are
-        # never shipped.
-        with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-            report = pool.submit(integrity.verify_step, store.step_dir(step), step)
-
-            def check() -> None:
-                if problems := report.result().problems:
-                    raise CorruptCheckpointError(step, problems, str(store.directory))
-
+        step = store.scan().resolve(step)
+        # The files are hashed while the tensors are written to a temporary directory,
+        # which is published only if they match: corrupt weights are never shipped.
+        with integrity.verified_while_reading(store.directory, step) as check:
+            by_name = {s.name: s for s in _layout.read_info(store.directory, step).state}
+            targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
+            keys = [t.leaf for t in targets if by_name[t.leaf].kind == KEY]
+            targets, skipped = _without_keys(targets, keys, skip_unsupported)
+            leaves = [by_name[t.leaf] for t in targets]
+            reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
             try:
-                info = store.read_info(step)
-                specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
-                by_name = {s.name: s for s in specs}
-                targets = name_map.place_all({n: s.shape for n, s in by_name.items()})
-                keys = [t.leaf for t in targets if by_name[t.leaf].kind == KEY]
-                targets, skipped = _without_keys(targets, keys, skip_unsupported)
-                leaves = [by_name[t.leaf] for t in targets]
-                reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
-                try:
-                    tensors = _plan_tensors(targets, by_name, cast, reader, progress)
-                    files = _pack(tensors, limit)
-                    _write(out_dir, files, file_metadata, overwrite, before_publish=check)
-                finally:
-                    reader.close()
-            except Exception:
-                check()  # corruption explains the failure
-                raise
+                tensors = _plan_tensors(targets, by_name, cast, reader, progress)
+                files = _pack(tensors, limit)
+                _write(out_dir, files, file_metadata, overwrite, before_publish=check)
+            finally:
+                reader.close()
     finally:
         store.close()
     total = sum(st.nbytes(t[1], t[2]) for t in tensors)
@@ -206,7 +190,7 @@ class _LeafReader:
     def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec], budget: int):
         requests = {s.name: ReadRequest(s.shape, np.dtype(s.dtype), None) for s in specs}
         self._read = lambda names: store.read_arrays(
-            step, _orbax.STATE, {n: requests[n] for n in names}
+            step, _layout.STATE, {n: requests[n] for n in names}
         )
         self._batches = read_batches(requests, budget)
         self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}

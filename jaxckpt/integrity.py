@@ -4,28 +4,28 @@ Just before Orbax renames a finished step into place (its `post_finalization_cal
 after every item is written on every process), process 0 hashes every file of the step with
 xxHash's XXH3-128 (python-xxhash) and writes `jaxckpt/manifest.json`. So a committed step
 always carries its manifest, and `verify` can tell exactly which file is missing, truncated
-or changed. Two step-root files are left out because Orbax itself rewrites them during the
-rename, after the manifest: `_CHECKPOINT_METADATA` (commit timestamp) and `commit_success.txt`.
+or changed. Orbax's two commit files are left out: Orbax itself rewrites them during the
+rename, after the manifest.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import xxhash
 from etils import epath
 
+from jaxckpt import _layout as layout
+from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
 from jaxckpt.storage import is_remote, open_inside
 
-MANIFEST_DIR = "jaxckpt"
-MANIFEST_FILE = "manifest.json"
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
-_ORBAX_COMMIT_FILES = {"_CHECKPOINT_METADATA", "commit_success.txt"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
 
 
 def _hashed(rel: str) -> bool:
-    return rel not in _ORBAX_COMMIT_FILES and rel != f"{MANIFEST_DIR}/{MANIFEST_FILE}"
+    return rel not in layout.ORBAX_COMMIT_FILES and rel != layout.MANIFEST_PATH
 
 
 def unsafe_entries(step_dir: epath.Path) -> list[str]:
@@ -110,8 +110,8 @@ def write_manifest(step_dir: epath.Path) -> None:
         rel: {"size": size, HASH: digest} for rel, (size, digest) in zip(rels, digests, strict=True)
     }
     doc = {"format": 1, "hash": f"{HASH} (python-xxhash {xxhash.VERSION})", "files": files}
-    (step_dir / MANIFEST_DIR).mkdir(exist_ok=True)
-    (step_dir / MANIFEST_DIR / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    (step_dir / layout.META_DIR).mkdir(exist_ok=True)
+    (step_dir / layout.MANIFEST_PATH).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
 Progress = Callable[[int, int, int], None]  # (step, bytes checked, bytes to check)
@@ -132,9 +132,9 @@ def verify_step(
     try:
         listed = _manifest(step_dir)
     except FileNotFoundError:
-        return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is missing",))
+        return StepReport(step, 0, 0, (f"{layout.MANIFEST_PATH} is missing",))
     except (OSError, ValueError) as e:
-        return StepReport(step, 0, 0, (f"{MANIFEST_DIR}/{MANIFEST_FILE} is unreadable: {e}",))
+        return StepReport(step, 0, 0, (f"{layout.MANIFEST_PATH} is unreadable: {e}",))
     problems, total = [], 0
     files, odd = _listing(step_dir)
     present = set(files)
@@ -172,7 +172,7 @@ def verify_step(
 
 def _manifest(step_dir: epath.Path) -> dict[str, dict]:
     """The manifest's `files`, each entry checked: ValueError naming the first bad field."""
-    with open_inside(step_dir, f"{MANIFEST_DIR}/{MANIFEST_FILE}") as f:
+    with open_inside(step_dir, layout.MANIFEST_PATH) as f:
         text = f.read()
     try:
         doc = json.loads(text)
@@ -192,6 +192,36 @@ def _manifest(step_dir: epath.Path) -> dict[str, dict]:
     return files
 
 
+@contextlib.contextmanager
+def verified_while_reading(
+    directory: epath.Path, step: int, *, verify: bool = True
+) -> Iterator[Callable[[], None]]:
+    """Around a read of a step (restore, export): links and special files are refused before
+    the body runs, and Orbax or tensorstore opens anything. With `verify`, the step's files
+    are hashed in a worker thread while the body reads, and the `check()` yielded raises
+    CorruptCheckpointError unless they match the manifest (waiting for the hashing); it also
+    runs when the body leaves, and first when it fails: corruption explains a failed read."""
+    step_dir = directory / str(step)
+    if problems := unsafe_entries(step_dir):
+        raise CorruptCheckpointError(step, problems, str(directory))
+    if not verify:
+        yield lambda: None
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
+        report = pool.submit(verify_step, step_dir, step)
+
+        def check() -> None:
+            if problems := report.result().problems:
+                raise CorruptCheckpointError(step, problems, str(directory))
+
+        try:
+            yield check
+        except Exception:
+            check()
+            raise
+        check()
+
+
 def verify(
     directory: str | epath.PathLike, step: int | None = None, *, progress: Progress | None = None
 ) -> list[StepReport]:
@@ -201,35 +231,20 @@ def verify(
     `jaxckpt/` folder without its metadata. Folders jaxckpt did not write are not judged.
     """
     from jaxckpt import _orbax
-    from jaxckpt.errors import StepNotFoundError
 
     store = _orbax.OrbaxStore(directory, read_only=True)
     try:
-        committed = set(store.committed_steps())
-        reports = []
-        for s, path in sorted(store.step_dirs().items()):
-            if step is not None and s != step:
-                continue
-            if s in committed:
-                reports.append(verify_step(path, s, progress=progress))
-            elif problem := damage(path):
-                reports.append(StepReport(s, 0, 0, (problem,)))
-        if step is not None and not reports:
-            raise StepNotFoundError(step, sorted(committed), str(store.directory))
-        return reports
+        listing = store.scan()
     finally:
         store.close()
-
-
-def damage(step_dir: epath.Path) -> str | None:
-    """Why a step folder that is not a committed jaxckpt step looks like a damaged one."""
-    if not is_remote(step_dir) and os.path.islink(step_dir):
-        return "the step folder is a symbolic link, which jaxckpt never follows"
-    try:
-        if not any(step_dir.iterdir()):
-            return "empty step directory"
-    except (FileNotFoundError, NotADirectoryError):  # deleted since it was listed
-        return None
-    if (step_dir / MANIFEST_DIR).exists():
-        return f"{MANIFEST_DIR}/jaxckpt.json is missing: the step's metadata is gone"
-    return None
+    reports = []
+    for s, path in sorted(listing.folders.items()):
+        if step is not None and s != step:
+            continue
+        if s in listing.committed:
+            reports.append(verify_step(path, s, progress=progress))
+        elif s in listing.damaged:
+            reports.append(StepReport(s, 0, 0, (listing.damaged[s],)))
+    if step is not None and not reports:
+        raise StepNotFoundError(step, listing.committed, str(listing.directory))
+    return reports

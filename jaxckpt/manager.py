@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -30,12 +29,14 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxckpt import _layout as layout
 from jaxckpt import _orbax, integrity, iterators
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     DataStateError,
     JaxckptError,
+    LockedError,
     NoCheckpointError,
     RestoreError,
     SaveError,
@@ -49,7 +50,6 @@ from jaxckpt.policy import RetentionPolicy, SavePolicy
 from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt.storage import absolute
 from jaxckpt.tree import (
-    LeafSpec,
     check_json,
     flatten,
     nest,
@@ -158,7 +158,7 @@ class CheckpointManager:
                 restore_inflight_bytes=restore_inflight_bytes,
                 compression=compression,
                 read_only=read_only,
-                before_commit=None if read_only else self._before_commit,
+                lock=self._lock,
             )
         except BaseException:
             if self._lock is not None:
@@ -237,8 +237,6 @@ class CheckpointManager:
         self._check_open()
         if self._read_only:
             raise ConfigError("this CheckpointManager was opened with read_only=True")
-        if self._lock is not None:
-            self._lock.check()
         step = _check_step(step)
         if meta is not None:
             check_json(meta)
@@ -262,21 +260,17 @@ class CheckpointManager:
                 "away or save under another step."
             )
         with _gc_paused():
-            info = {
-                "format": _orbax.FORMAT_VERSION,
-                "step": step,
-                "saved_at": datetime.datetime.now(datetime.UTC).isoformat(),
-                "versions": {"jax": jax.__version__},
-                "process_count": jax.process_count(),
-                "items": {
-                    _orbax.STATE: [s.to_json() for s in state_specs],
-                    _orbax.RNG: [s.to_json() for s in rng_specs],
-                },
-                "data": data_kind,
-                # what a restore without an rng= target could not rebuild (nnx.Rngs state)
-                "node_types": {_orbax.RNG: node_types(rng)},
-                "meta": meta,
-            }
+            info = layout.StepInfo(
+                step=step,
+                state=tuple(state_specs),
+                rng=tuple(rng_specs),
+                data=data_kind,
+                meta=meta,
+                rng_node_types=tuple(node_types(rng)),
+                saved_at=datetime.datetime.now(datetime.UTC).isoformat(),
+                process_count=jax.process_count(),
+                versions={"jax": jax.__version__},
+            )
             try:
                 self._store.save(
                     step,
@@ -286,6 +280,8 @@ class CheckpointManager:
                     info=info,
                     data_about=data_about,
                 )
+            except LockedError:  # nothing started
+                raise
             except Exception as e:
                 raise self._save_error(step, e, background=False) from e
         self._in_flight = step
@@ -410,29 +406,17 @@ class CheckpointManager:
     def _candidates(self, step: int | None, fallback: bool) -> list[int]:
         """The steps to try, newest first; damaged step folders are reported, not tried."""
         self._finish_pending()
-        steps = self._store.committed_steps()
-        damaged = {
-            s: problem
-            for s, path in self._store.step_dirs().items()
-            if s not in steps and (problem := integrity.damage(path))
-        }
+        listing = self._store.scan()
         if step is not None:
-            step = _check_step(step)
-            if step in damaged:
-                raise CorruptCheckpointError(step, [damaged[step]], str(self.directory))
-            if step not in steps:
-                raise StepNotFoundError(step, steps, str(self.directory))
-            return [step]
-        if not steps:
-            raise NoCheckpointError(
-                f"no committed checkpoint in {self.directory}; nothing to restore. "
-                "Check the path, or start from scratch when latest_step() is None."
-            )
-        for s in sorted(damaged):
-            if s > steps[-1]:
-                log.warning("restore: step folder %d is damaged (%s); ignoring it", s, damaged[s])
-        log.info("restoring the latest committed step %d from %s", steps[-1], self.directory)
-        return sorted(steps, reverse=True) if fallback else [steps[-1]]
+            return [listing.resolve(_check_step(step))]
+        latest = listing.resolve(None)
+        for s in sorted(listing.damaged):
+            if s > latest:
+                log.warning(
+                    "restore: step folder %d is damaged (%s); ignoring it", s, listing.damaged[s]
+                )
+        log.info("restoring the latest committed step %d from %s", latest, self.directory)
+        return sorted(listing.committed, reverse=True) if fallback else [latest]
 
     def _restore_verified(self, step, state, rng, data_ok, partial) -> Restored:
         """Restores a step; with `verify_on_restore`, only if its files match the manifest.
@@ -443,33 +427,24 @@ class CheckpointManager:
         that another refuses.
         """
         data, mismatch_ok = data_ok
-        # Before Orbax or tensorstore opens anything: a link could lead out of the directory.
-        self._check(step, integrity.unsafe_entries(self._store.step_dir(step)))
-        if self._verify and jax.process_count() > 1:
+        several = jax.process_count() > 1
+        if self._verify and several:
             self._check(step, self._verify_share(step))
         info = None
         if data is not None:  # before any array is read (and, on one process, any file hashed)
             info = self._read_info(step)
             self._check_data(step, info, data, mismatch_ok)
-        if self._verify and jax.process_count() == 1:
-            with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-                report = pool.submit(integrity.verify_step, self._store.step_dir(step), step)
-                try:
-                    info = info or self._read_info(step)
-                    restored = self._restore_step(step, info, state, rng, partial)
-                except Exception:
-                    self._check(step, report.result().problems)  # corruption explains it
-                    raise
-                self._check(step, report.result().problems)
-        else:
+        with integrity.verified_while_reading(
+            self.directory, step, verify=self._verify and not several
+        ):
             info = info or self._read_info(step)
             restored = self._restore_step(step, info, state, rng, partial)
         if data is not None:  # last: after everything else was read (and verified)
-            _restore_data(data, step, info.get("data"), self._store)
+            _restore_data(data, step, info.data, self._store)
             restored = dataclasses.replace(restored, data=data)
         return restored
 
-    def _check_data(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> None:
+    def _check_data(self, step: int, info: layout.StepInfo, data: Any, mismatch_ok: bool) -> None:
         """Refuses, before any array is read, a data iterator unlike the one saved (or one
         for a step saved without data=). Every process decides on its own iterator, then all
         agree (a collective), so that none reads arrays while another gave up."""
@@ -492,15 +467,20 @@ class CheckpointManager:
         if problem is not None:
             raise DataStateError(problem)
 
-    def _data_problem(self, step: int, info: dict, data: Any, mismatch_ok: bool) -> str | None:
+    def _data_problem(
+        self, step: int, info: layout.StepInfo, data: Any, mismatch_ok: bool
+    ) -> str | None:
         if not callable(getattr(data, "set_state", None)):
             return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
-        if info.get("data") is None:
+        if info.data is None:
             return (
                 f"step {step} holds no data-iterator state (it was saved without data=); "
                 "restore without data= or from a step saved with it"
             )
-        saved = self._store.read_data_about(step)  # None: saved before jaxckpt recorded it
+        # None: saved before jaxckpt recorded it
+        saved = layout.read_data_about(
+            self.directory, step, jax.process_index(), jax.process_count()
+        )
         changed = iterators.differences(saved, iterators.describe(data)) if saved else []
         if not changed:
             return None
@@ -535,23 +515,20 @@ class CheckpointManager:
         if problems:
             raise CorruptCheckpointError(step, problems, str(self.directory))
 
-    def _read_info(self, step: int) -> dict:
+    def _read_info(self, step: int) -> layout.StepInfo:
         """The step's jaxckpt metadata, checked (CorruptCheckpointError if damaged)."""
         try:
-            return self._store.read_info(step)
+            return layout.read_info(self.directory, step)
         except FileNotFoundError:
             if step not in self._store.committed_steps():
                 raise self._deleted(step) from None
             raise CorruptCheckpointError(
-                step, [f"{_orbax.INFO}/{_orbax.INFO_FILE} is missing"], str(self.directory)
+                step, [f"{layout.INFO_PATH} is missing"], str(self.directory)
             ) from None
 
     def _restore_step(self, step, info, state, rng, partial) -> Restored:
-        items = info["items"]
-        state_specs = [LeafSpec.from_json(d) for d in items[_orbax.STATE]]
-        rng_specs = [LeafSpec.from_json(d) for d in items[_orbax.RNG]]
-        kinds = (info.get("node_types") or {}).get(_orbax.RNG)
-        if rng is None and rng_specs and kinds:  # before any array is read
+        kinds = info.rng_node_types
+        if rng is None and info.rng and kinds:  # before any array is read
             raise TreeMismatchError(
                 f"the PRNG keys of step {step} were saved from a tree of {', '.join(kinds)}, "
                 "which a restore without an rng= target cannot rebuild: it would return "
@@ -560,16 +537,16 @@ class CheckpointManager:
                 "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
                 "streams, then nnx.update(rngs, restored.rng))."
             )
-        restored_state = self._read_tree(step, _orbax.STATE, state_specs, state, None, partial)
+        restored_state = self._read_tree(step, layout.STATE, info.state, state, None, partial)
         restored_rng = None
-        if rng_specs:
+        if info.rng:
             restored_rng = self._read_tree(
-                step, _orbax.RNG, rng_specs, rng, replicated_sharding(state), False
+                step, layout.RNG, info.rng, rng, replicated_sharding(state), False
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
         return Restored(
-            step=step, state=restored_state, rng=restored_rng, meta=info["meta"], data=None
+            step=step, state=restored_state, rng=restored_rng, meta=info.meta, data=None
         )
 
     def meta(self, step: int | None = None) -> Any:
@@ -577,7 +554,7 @@ class CheckpointManager:
         e.g. the run's config, to build the model before restoring into it."""
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
-        return self._read_info(step)["meta"]
+        return self._read_info(step).meta
 
     def plan(self, step: int | None = None, *, state: Any, partial: bool = False) -> RestorePlan:
         """A restore dry-run: per process, the bytes it will read and its peak host memory
@@ -591,9 +568,8 @@ class CheckpointManager:
         """
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
-        info = self._read_info(step)
-        specs = [LeafSpec.from_json(d) for d in info["items"][_orbax.STATE]]
-        requests, _ = plan_restore(state, specs, item=_orbax.STATE, step=step, partial=partial)
+        specs = self._read_info(step).state
+        requests, _ = plan_restore(state, specs, item=layout.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
 
     def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
@@ -637,11 +613,6 @@ class CheckpointManager:
                 missing = sorted({*missing, *_orbax.missing_processes(late)})
         committed = self._store.committed_steps()
         return SaveError(step, error, committed, background=background, missing=missing)
-
-    def _before_commit(self, step_dir: epath.Path) -> None:
-        integrity.write_manifest(step_dir)
-        if self._lock is not None:  # last: a writer that lost its lock or lease never commits
-            self._lock.check(confirm=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -721,7 +692,7 @@ def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxSto
     except (ValueError, RecursionError):
         raise CorruptCheckpointError(
             step,
-            [f"{_orbax.DATA}/: this process's data-iterator state is not JSON"],
+            [f"{layout.DATA}/: this process's data-iterator state is not JSON"],
             str(store.directory),
         ) from None
     try:

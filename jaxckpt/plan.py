@@ -56,15 +56,15 @@ class RestorePlan:
 
     def __str__(self) -> str:
         rows = [
-            f"restore plan for step {self.step}: {self.leaves} leaves, {_size(self.saved_bytes)}"
+            f"restore plan for step {self.step}: {self.leaves} leaves, {size_text(self.saved_bytes)}"
         ]
         rows.append(
             f"  {'process':>7}  {'reads':>10}  {'on devices':>10}  {'peak host (est.)':>16}"
         )
         for p in self.processes:
             rows.append(
-                f"  {p.process:>7}  {_size(p.read_bytes):>10}  {_size(p.device_bytes):>10}"
-                f"  {_size(p.peak_host_bytes):>16}"
+                f"  {p.process:>7}  {size_text(p.read_bytes):>10}  {size_text(p.device_bytes):>10}"
+                f"  {size_text(p.peak_host_bytes):>16}"
             )
         return "\n".join(rows)
 
@@ -199,9 +199,10 @@ def _slice_bytes(index: tuple[slice, ...], shape: tuple[int, ...]) -> int:
     return math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def size_text(n: float) -> str:
+    """Bytes as `jaxckpt plan`, `ls` and `inspect` print them: 512 B, 1.50 KiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxckpt.errors import ConfigError
-from jaxckpt.tree import leaf_name, replicated_sharding
+from jaxckpt.tree import LeafSpec, ReadRequest, leaf_name, replicated_sharding
 
 log = logging.getLogger("jaxckpt")
 
@@ -58,6 +58,25 @@ def fitting_spec(
         if any(a not in mesh_axes for a in axes) or dim % math.prod(mesh_axes[a] for a in axes):
             return PartitionSpec()
     return spec
+
+
+def requests_on_mesh(
+    specs: Sequence[LeafSpec], mesh: Mesh
+) -> tuple[dict[str, ReadRequest], list[str]]:
+    """What a restore onto `mesh` reads of each saved leaf, as `target_on_mesh(abstract,
+    mesh)` places it: its saved spec where that fits (`fitting_spec`), else replicated; host
+    leaves stay on the host. Also the leaves whose saved spec did not fit (`jaxckpt plan`)."""
+    sizes = dict(mesh.shape)
+    requests, replicated = {}, []
+    for spec in specs:
+        sharding = None
+        if spec.sharding is not None:
+            placed = fitting_spec(spec.spec, spec.shape, sizes)
+            if spec.spec is not None and placed != spec.spec:
+                replicated.append(spec.name)
+            sharding = NamedSharding(mesh, placed)
+        requests[spec.name] = ReadRequest(spec.stored_shape, spec.stored_dtype, sharding)
+    return requests, replicated
 
 
 def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:

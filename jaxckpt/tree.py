@@ -129,6 +129,22 @@ class LeafSpec:
         return np.dtype(np.uint32) if self.kind == KEY else np.dtype(self.dtype)
 
     @property
+    def nbytes(self) -> int:
+        """The bytes the leaf takes as stored."""
+        return math.prod(self.stored_shape) * self.stored_dtype.itemsize
+
+    @property
+    def layout(self) -> str:
+        """How the leaf was laid out when saved, as `jaxckpt inspect` shows it."""
+        if self.sharding is None:
+            return "host"
+        if "mesh" not in self.sharding:
+            n = self.sharding["devices"]
+            return f"{n} device{'s' * (n != 1)}"
+        mesh = ",".join(f"{k}={v}" for k, v in self.sharding["mesh"].items())
+        return f"{self.spec} on {mesh}"
+
+    @property
     def spec(self) -> jax.sharding.PartitionSpec | None:
         """The saved PartitionSpec, when the leaf was saved with a NamedSharding."""
         if not self.sharding or "spec" not in self.sharding:

@@ -72,10 +72,10 @@ def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir, monkeypatch):
     stalled, release = threading.Event(), threading.Event()
     remove = _orbax._remove
 
-    def slow_remove(path):
+    def slow_remove(path, *args):
         stalled.set()
         assert release.wait(60), "the test never released the deleter"
-        return remove(path)
+        return remove(path, *args)
 
     monkeypatch.setattr(_orbax, "_remove", slow_remove)
     state = {"x": np.arange(1000, dtype=np.float32)}
@@ -160,9 +160,9 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog,
     # save of the same step number below must wait for it.
     remove = _orbax._remove
 
-    def slow_remove(path):
+    def slow_remove(path, *args):
         time.sleep(1)
-        return remove(path)
+        return remove(path, *args)
 
     monkeypatch.setattr(_orbax, "_remove", slow_remove)
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.

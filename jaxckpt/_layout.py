@@ -1,0 +1,325 @@
+"""What a jaxckpt directory holds on disk: the one owner of every file and folder name, of
+the step's metadata document (`StepInfo`), of the reading of a directory (`Listing`) and of
+a step number (`Listing.resolve`). Everything else asks here.
+
+    <directory>/
+        .jaxckpt-writer.lock                 the writer's lock (jaxckpt._lock)
+        <step>/                              a committed step (canonical ASCII digits)
+        <step>.orbax-checkpoint-tmp/         a save in progress, or cut off (Orbax's)
+        <step>.jaxckpt-deleting/             being deleted by retention (local disk)
+        <step>.jaxckpt-tombstone             hides a step being deleted (object storage)
+    <directory>/<step>/
+        state/                      the state tree: tensorstore OCDBT, one entry per leaf name
+        rng/                        PRNG keys as raw key data (only when rng= was given)
+        data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
+        data/iterator_<i>-of-<n>.json what that iterator was (jaxckpt._iterators.describe)
+        jaxckpt/jaxckpt.json        StepInfo: leaf specs, user meta, versions
+        jaxckpt/manifest.json       size + checksum of every file (jaxckpt._integrity)
+        _CHECKPOINT_METADATA, commit_success.txt   Orbax's own commit files
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
+item is written; object storage has no rename, so there a step is committed once Orbax's
+`commit_success.txt` is in it. A committed step folder holding `jaxckpt/jaxckpt.json` is a
+jaxckpt step; one holding `jaxckpt/` without it, or nothing, is a damaged one; any other is
+foreign (written by someone else) and never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from jaxckpt.errors import CorruptCheckpointError, NoCheckpointError, StepNotFoundError
+from jaxckpt.storage import is_remote, open_inside
+from jaxckpt.tree import LeafSpec
+
+STATE, RNG, DATA = "state", "rng", "data"  # Orbax items: folders of a step
+ITEMS = (STATE, RNG)  # the items of arrays
+META_DIR = "jaxckpt"  # jaxckpt's item: its own files
+INFO_FILE = "jaxckpt.json"
+INFO_PATH = f"{META_DIR}/{INFO_FILE}"
+MANIFEST_PATH = f"{META_DIR}/manifest.json"
+ORBAX_COMMIT_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+DELETING_SUFFIX = ".jaxckpt-deleting"
+TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
+LOCK_FILE = ".jaxckpt-writer.lock"
+DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # as grain's handler names them
+MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one
+FORMAT_VERSION = 1  # of jaxckpt.json; a later format adds its reading of older ones here
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name stands for: ASCII digits in canonical form (`12`, never `012`,
+    `²` or `①`), which is how jaxckpt names step folders; None for any other name."""
+    if not (name.isascii() and name.isdigit()) or (name != "0" and name.startswith("0")):
+        return None
+    return int(name)
+
+
+def data_file(kind: str, process: int, count: int) -> str:
+    """A process's data-iterator file: kind "process" (its state) or "iterator" (what it was)."""
+    return f"{kind}_{process}-of-{count}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """A step's `jaxckpt/jaxckpt.json`: what was saved, enough to check a restore target and
+    rebuild the trees before any array is read."""
+
+    step: int
+    state: tuple[LeafSpec, ...]
+    rng: tuple[LeafSpec, ...] = ()
+    data: str | None = None  # the data-iterator state's kind: "json", "bytes" or None
+    meta: Any = None  # the user's meta=
+    # The rng tree's node types a restore without an rng= target cannot rebuild (nnx.Rngs).
+    rng_node_types: tuple[str, ...] = ()
+    saved_at: str | None = None
+    process_count: int | None = None
+    versions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def leaves(self, item: str) -> tuple[LeafSpec, ...]:
+        return {STATE: self.state, RNG: self.rng}[item]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "step": self.step,
+            "saved_at": self.saved_at,
+            "versions": dict(self.versions),
+            "process_count": self.process_count,
+            "items": {item: [s.to_json() for s in self.leaves(item)] for item in ITEMS},
+            "data": self.data,
+            "node_types": {RNG: list(self.rng_node_types)},
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any, step: int) -> StepInfo:
+        """The document of step folder `step`, checked field by field: ValueError naming the
+        first one that is not what jaxckpt writes, or a format newer than this jaxckpt's."""
+        if not isinstance(doc, dict):
+            raise ValueError("it is not a JSON object")
+        version = doc.get("format")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError("'format' is not a format version")
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"it has format {version}, written by a newer jaxckpt (this one reads format "
+                f"{FORMAT_VERSION}); upgrade jaxckpt to read it"
+            )
+        items = doc.get("items")
+        if not isinstance(items, dict):
+            raise ValueError("'items' is not an object")
+        specs = {}
+        for item in ITEMS:
+            if not isinstance(items.get(item), list):
+                raise ValueError(f"'items.{item}' is not a list of leaves")
+            try:
+                specs[item] = tuple(LeafSpec.from_json(spec) for spec in items[item])
+            except ValueError as e:
+                raise ValueError(f"'items.{item}': {e}") from None
+        if doc.get("data") not in (None, "json", "bytes"):
+            raise ValueError('\'data\' is not null, "json" or "bytes"')
+        kinds = doc.get("node_types") or {}
+        if not (
+            isinstance(kinds, dict)
+            and all(
+                isinstance(names, list) and all(isinstance(n, str) for n in names)
+                for names in kinds.values()
+            )
+        ):
+            raise ValueError("'node_types' is not an object of lists of type names")
+        for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
+            if doc.get(key) is not None and not isinstance(doc[key], kind):
+                raise ValueError(f"{key!r} is not a {kind.__name__}")
+        return cls(
+            step=step,
+            state=specs[STATE],
+            rng=specs[RNG],
+            data=doc.get("data"),
+            meta=doc.get("meta"),
+            rng_node_types=tuple(kinds.get(RNG) or ()),
+            saved_at=doc.get("saved_at"),
+            process_count=doc.get("process_count"),
+            versions=doc.get("versions") or {},
+        )
+
+
+def no_checkpoint(directory: Any) -> NoCheckpointError:
+    return NoCheckpointError(
+        f"no committed checkpoint in {directory}. Check the path (a job starting from "
+        "scratch finds latest_step() None)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """A checkpoint directory as one listing found it.
+
+    committed: the committed jaxckpt steps, oldest first.
+    damaged: step folders that look like damaged jaxckpt steps, with why.
+    uncommitted: saves in progress or cut off (Orbax's temporary folders).
+    folders: every step folder (committed, damaged or foreign; never one being written).
+    """
+
+    directory: epath.Path
+    committed: tuple[int, ...] = ()
+    damaged: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    uncommitted: tuple[int, ...] = ()
+    folders: Mapping[int, epath.Path] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, directory: epath.Path, *, finalized: set[int], uncommitted: set[int], hidden: set[int]
+    ) -> Listing:
+        """Sorts the step folders of `directory`, given the steps Orbax counts committed
+        (`finalized`), its temporary ones, and the steps being deleted (`hidden`)."""
+        if not directory.exists():  # removed under a reader
+            return cls(directory)
+        if is_remote(directory):  # an unfinished save sits at its step's path
+            hidden = hidden | uncommitted
+        folders = {
+            step: p
+            for p in directory.iterdir()
+            if (step := step_of(p.name)) is not None and step not in hidden and p.is_dir()
+        }
+        committed = tuple(
+            sorted(
+                s
+                for s in finalized & folders.keys()
+                if not _is_link(folders[s]) and (folders[s] / INFO_PATH).exists()
+            )
+        )
+        damaged = {
+            s: why for s, p in sorted(folders.items()) if s not in committed and (why := damage(p))
+        }
+        return cls(directory, committed, damaged, tuple(sorted(uncommitted)), folders)
+
+    def resolve(self, step: int | None) -> int:
+        """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
+        if step is None:
+            if not self.committed:
+                raise no_checkpoint(self.directory)
+            return self.committed[-1]
+        if step in self.damaged:
+            raise CorruptCheckpointError(step, [self.damaged[step]], str(self.directory))
+        if step not in self.committed:
+            raise StepNotFoundError(step, self.committed, str(self.directory))
+        return step
+
+
+def _is_link(path: epath.Path) -> bool:
+    return not is_remote(path) and os.path.islink(path)
+
+
+def damage(step_dir: epath.Path) -> str | None:
+    """Why a step folder that is not a committed jaxckpt step looks like a damaged one."""
+    if _is_link(step_dir):
+        return "the step folder is a symbolic link, which jaxckpt never follows"
+    try:
+        if not any(step_dir.iterdir()):
+            return "empty step directory"
+    except (FileNotFoundError, NotADirectoryError):  # deleted since it was listed
+        return None
+    if (step_dir / META_DIR).exists():
+        return f"{INFO_PATH} is missing: the step's metadata is gone"
+    return None
+
+
+# ------------------------------------------------------------------ a step's small files
+
+
+def _corrupt(directory: epath.Path, step: int, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(step, [problem], str(directory))
+
+
+def _read_json(directory: epath.Path, step: int, rel: str) -> Any:
+    """A small JSON file of the step, opened without following links: FileNotFoundError
+    if it is not there, CorruptCheckpointError naming it if it cannot be read."""
+    try:
+        with open_inside(directory / str(step), rel) as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:
+        problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise _corrupt(directory, step, f"{rel} is unreadable: {problem}") from None
+
+
+def read_info(directory: epath.Path, step: int) -> StepInfo:
+    """The step's jaxckpt.json, every field checked: CorruptCheckpointError naming the first
+    one that is not what jaxckpt writes (FileNotFoundError if there is none). Read as the
+    plain file it is: no Orbax restore, no barrier between processes."""
+    try:
+        return StepInfo.from_json(_read_json(directory, step, INFO_PATH), step)
+    except ValueError as e:
+        raise _corrupt(directory, step, f"{INFO_PATH} is unreadable: {e}") from None
+
+
+def read_data_about(
+    directory: epath.Path, step: int, process: int, count: int
+) -> dict[str, Any] | None:
+    """What a process's data iterator was at save (None: a step saved before jaxckpt
+    recorded it, or by another number of processes). CorruptCheckpointError when it is not
+    what jaxckpt writes."""
+    rel = f"{DATA}/{data_file('iterator', process, count)}"
+    try:
+        about = _read_json(directory, step, rel)
+    except FileNotFoundError:
+        return None
+    if not (
+        isinstance(about, dict)
+        and isinstance(about.get("type"), str)
+        and all(
+            isinstance(about.get(k, []), list) and all(isinstance(e, str) for e in about.get(k, []))
+            for k in ("state", "pipeline")
+        )
+        and isinstance(about.get("config", {}), dict)
+    ):
+        raise _corrupt(directory, step, f"{rel} is not an iterator description")
+    return about
+
+
+def read_data_states(directory: epath.Path, step: int, kind: str | None) -> list[dict[str, Any]]:
+    """Every process's saved data-iterator state (for `jaxckpt inspect --data`), parsed when
+    it is JSON (grain's states are), else the saved text; read as plain files (never through
+    a link), at most MAX_DATA_STATE_BYTES each."""
+    if kind is None:
+        return []
+    try:
+        names = sorted(p.name for p in (directory / str(step) / DATA).iterdir())
+    except FileNotFoundError:
+        names = []
+    found = sorted(
+        (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
+    )
+    if not found:
+        raise _corrupt(directory, step, f"{DATA}/ holds no process_<i>-of-<n>.json file")
+    states = []
+    for process, processes, name in found:
+        rel = f"{DATA}/{name}"
+        try:
+            with open_inside(directory / str(step), rel) as f:
+                raw = f.read(MAX_DATA_STATE_BYTES + 1)
+        except OSError as e:
+            raise _corrupt(directory, step, f"{rel} is unreadable: {e.strerror or e}") from None
+        if len(raw) > MAX_DATA_STATE_BYTES:
+            problem = f"{rel} is over {MAX_DATA_STATE_BYTES:,} bytes: not a data-iterator state"
+            raise _corrupt(directory, step, problem)
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            state = json.loads(text)
+        except (ValueError, RecursionError):
+            if kind == "json":
+                problem = f"{rel} is not JSON, but the step records a JSON state"
+                raise _corrupt(directory, step, problem) from None
+            state = text
+        states.append({"process": process, "processes": processes, "state": state})
+    return states
