@@ -4,6 +4,8 @@ The public API is what this module re-exports; everything else may change.
 """
 
 from jaxckpt import errors as errors
+from jaxckpt._diff import StepDiff as StepDiff
+from jaxckpt._diff import diff as diff
 from jaxckpt.hf import ExportResult as ExportResult
 from jaxckpt.hf import export_safetensors as export_safetensors
 from jaxckpt.hf import load_safetensors as load_safetensors

@@ -32,11 +32,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from jaxckpt._layout import LOCK_FILE
 from jaxckpt.errors import LockedError
 from jaxckpt.storage import file_kind, gcs_blob, is_remote
 
 log = logging.getLogger("jaxckpt")
-LOCK_FILE = ".jaxckpt-writer.lock"
 
 
 def writer_lock(directory: str | os.PathLike, lease_s: float) -> WriterLock | ObjectLease | None:
