@@ -33,10 +33,6 @@ from jaxckpt.tree import LeafSpec, ReadRequest, leaf_name, replicated_sharding
 log = logging.getLogger("jaxckpt")
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
-
-
 def fitting_spec(
     spec: PartitionSpec | None, shape: Sequence[int], mesh_axes: Mapping[str, int]
 ) -> PartitionSpec:
