@@ -47,7 +47,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
     UnsupportedValueError,
 )
-from jaxckpt.names import NameMap, Target
+from jaxckpt.names import NameMap, Placement
 from jaxckpt.plan import read_batches
 from jaxckpt.storage import absolute, is_remote
 from jaxckpt.tree import KEY, LeafSpec, ReadRequest, leaf_name
@@ -182,8 +182,8 @@ def _check_output(
 
 
 def _without_keys(
-    targets: list[Target], keys: list[str], skip_unsupported: bool
-) -> tuple[list[Target], list[str]]:
+    targets: list[Placement], keys: list[str], skip_unsupported: bool
+) -> tuple[list[Placement], list[str]]:
     """Leaves out the PRNG keys the map did not drop: safetensors has no dtype for them."""
     if keys and not skip_unsupported:
         raise UnsupportedValueError(
@@ -405,7 +405,7 @@ def save_safetensors(
     dtypes = {t[0]: t[1] for t in planned}
     fds = {f: os.open(tmp / f, os.O_WRONLY) for f in files}
 
-    def write(target: Target) -> None:
+    def write(target: Placement) -> None:
         pieces = _local_pieces(leaves[target.leaf], primary)
         if target.split is None and target.transpose is None:
             # The common case: the shards' rows go to the file with gathered writes, no copy.
@@ -473,7 +473,7 @@ def _save_safetensors_remote(
     )
 
 
-def _live_targets(state, names, skip_unsupported) -> tuple[dict[str, Any], list[Target], list]:
+def _live_targets(state, names, skip_unsupported) -> tuple[dict[str, Any], list[Placement], list]:
     """A live state's leaves by name, their placements by the name map (PRNG keys left out),
     and the names of the keys left out."""
     leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
@@ -542,7 +542,7 @@ def _join_along(pieces: list, axis: int) -> list:
     return joined
 
 
-def _to_tensors(target: Target, index: tuple[slice, ...], data: np.ndarray):
+def _to_tensors(target: Placement, index: tuple[slice, ...], data: np.ndarray):
     """Maps a piece of a leaf onto its file tensors: (tensor name, region, data)."""
     pieces = []
     if target.split is None:
@@ -796,7 +796,7 @@ def _check_index(index, by_file: dict[str, set[str]], found: dict[str, dict]) ->
             )
 
 
-def _file_shape(placed: Target, shape) -> tuple[int, ...]:
+def _file_shape(placed: Placement, shape) -> tuple[int, ...]:
     """The shape of each file tensor a leaf of `shape` becomes (split, then transposed)."""
     shape = list(shape)
     if placed.split is not None:
@@ -815,7 +815,7 @@ def _is_float(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
 
 
-def _load_leaf(placed: Target, leaf: Any, headers) -> Any:
+def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
     dtype = np.dtype(leaf.dtype)
     inverse = None if placed.transpose is None else tuple(np.argsort(placed.transpose))
 
