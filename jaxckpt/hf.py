@@ -28,7 +28,7 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -160,7 +160,7 @@ def export_safetensors(
                 raise
     finally:
         store.close()
-    total = sum(st.nbytes(t[1], t[2]) for t in tensors)
+    total = sum(t.nbytes for t in tensors)
     log.info(
         "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, len(tensors), len(files)
     )
@@ -195,7 +195,17 @@ def _without_keys(
     return [t for t in targets if t.leaf not in keys], keys
 
 
-Planned = tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]
+class Planned(NamedTuple):
+    """One output tensor; `produce` gives its data when the file is written."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return st.nbytes(self.dtype, self.shape)
 
 
 class _LeafReader:
@@ -251,8 +261,8 @@ def _plan_tensors(targets, by_name, cast, reader, progress=None) -> list[Planned
                     progress(done[0], total)
                 return value.astype(dtype, copy=False)
 
-            planned.append((name, dtype, tuple(shape), produce))
-    total = sum(st.nbytes(t[1], t[2]) for t in planned)
+            planned.append(Planned(name, dtype, tuple(shape), produce))
+    total = sum(t.nbytes for t in planned)
     return planned
 
 
@@ -261,7 +271,7 @@ def _pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
     groups: list[list[Planned]] = [[]]
     size = 0
     for t in tensors:
-        n = st.nbytes(t[1], t[2])
+        n = t.nbytes
         if groups[-1] and size + n > limit:
             groups.append([])
             size = 0
@@ -318,10 +328,8 @@ def _write_index(directory, files: dict[str, list[Planned]]) -> None:
     export complete."""
     if len(files) > 1:
         index = {
-            "metadata": {
-                "total_size": sum(st.nbytes(t[1], t[2]) for g in files.values() for t in g)
-            },
-            "weight_map": {t[0]: f for f, g in files.items() for t in g},
+            "metadata": {"total_size": sum(t.nbytes for g in files.values() for t in g)},
+            "weight_map": {t.name: f for f, g in files.items() for t in g},
         }
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
@@ -387,12 +395,15 @@ def save_safetensors(
         dt = np.dtype(leaf.dtype)
         dt = cast if cast is not None and _is_float(dt) else dt
         shape = _file_shape(target, np.shape(leaf))
-        planned += [(name, dt, shape, lambda: None) for name in target.names]
+        planned += [Planned(name, dt, shape, lambda: None) for name in target.names]
     files = _pack(planned, parse_size(max_shard_size))
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-live")
     file_metadata = {"format": "pt", **(metadata or {})}
-    layouts = {f: st.encode_header([t[:3] for t in g], file_metadata) for f, g in files.items()}
-    where = {t[0]: (f, layouts[f][1][t[0]], t[2]) for f, g in files.items() for t in g}
+    layouts = {
+        f: st.encode_header([(t.name, t.dtype, t.shape) for t in g], file_metadata)
+        for f, g in files.items()
+    }
+    where = {t.name: (f, layouts[f][1][t.name], t.shape) for f, g in files.items() for t in g}
 
     if primary:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -400,9 +411,9 @@ def save_safetensors(
         for f, (head, _) in layouts.items():
             with open(tmp / f, "wb") as out:
                 out.write(head)
-                out.truncate(len(head) + sum(st.nbytes(t[1], t[2]) for t in files[f]))
+                out.truncate(len(head) + sum(t.nbytes for t in files[f]))
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:files")
-    dtypes = {t[0]: t[1] for t in planned}
+    dtypes = {t.name: t.dtype for t in planned}
     fds = {f: os.open(tmp / f, os.O_WRONLY) for f in files}
 
     def write(target: Placement) -> None:
@@ -442,7 +453,7 @@ def save_safetensors(
     if primary:
         _publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
-    total = sum(st.nbytes(t[1], t[2]) for t in planned)
+    total = sum(t.nbytes for t in planned)
     return ExportResult(out_dir, None, tuple(files), len(planned), total, tuple(skipped))
 
 
@@ -467,7 +478,7 @@ def _save_safetensors_remote(
     _write_remote(
         epath.Path(out_dir), files, {"format": "pt", **(metadata or {})}, overwrite, lambda: None
     )
-    total = sum(st.nbytes(t[1], t[2]) for t in planned)
+    total = sum(t.nbytes for t in planned)
     return ExportResult(
         epath.Path(out_dir), None, tuple(files), len(planned), total, tuple(skipped)
     )
