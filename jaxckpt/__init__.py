@@ -6,10 +6,10 @@ The public API is what this module re-exports; everything else may change.
 from jaxckpt import errors as errors
 from jaxckpt._diff import StepDiff as StepDiff
 from jaxckpt._diff import diff as diff
-from jaxckpt.hf import ExportResult as ExportResult
-from jaxckpt.hf import export_safetensors as export_safetensors
-from jaxckpt.hf import load_safetensors as load_safetensors
-from jaxckpt.hf import save_safetensors as save_safetensors
+from jaxckpt._hf_export import export_safetensors as export_safetensors
+from jaxckpt._hf_files import ExportResult as ExportResult
+from jaxckpt._hf_import import load_safetensors as load_safetensors
+from jaxckpt._hf_live import save_safetensors as save_safetensors
 from jaxckpt.integrity import StepReport as StepReport
 from jaxckpt.integrity import verify as verify
 from jaxckpt.manager import CheckpointManager as CheckpointManager

@@ -44,7 +44,7 @@ EXIT_ERROR, EXIT_USAGE = 1, 2
 # one of these errors through the CLI, so a reworded library message fails a test rather
 # than leaking a Python argument into the CLI's output.
 CLI_WORDS = (
-    # OutputExistsError (jaxckpt.hf)
+    # OutputExistsError (jaxckpt._hf_files)
     ("choose another directory or pass overwrite=True", "choose another OUT or pass --overwrite"),
     # StepNotFoundError (jaxckpt.errors)
     (
@@ -647,7 +647,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
 def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, as_json):
     """Export a checkpoint's state to Hugging Face-style sharded safetensors."""
     _cpu()
-    from jaxckpt.hf import export_safetensors
+    from jaxckpt import export_safetensors
 
     _need_dir(checkpoint_dir)
     with _progress("export") as update:

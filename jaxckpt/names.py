@@ -44,7 +44,7 @@ class Rule:
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class Placement:
     """Where one leaf goes: one HF tensor per entry of `names` (one, or one per split index)."""
 
     leaf: str
@@ -106,7 +106,7 @@ class NameMap:
         include = source.get("include")
         return cls(tuple(rules), _compile(include, "include") if include else None)
 
-    def place(self, leaf: str, shape: Sequence[int]) -> Target | None:
+    def place(self, leaf: str, shape: Sequence[int]) -> Placement | None:
         """Where `leaf` (of `shape`) goes; None when it is left out (include/drop)."""
         if self.include is not None and not self.include.search(leaf):
             return None
@@ -118,36 +118,36 @@ class NameMap:
                 return None
             name = m.expand(rule.name)
             if rule.split is None:
-                return Target(leaf, (name,), rule.transpose, None)
+                return Placement(leaf, (name,), rule.transpose, None)
             if not 0 <= rule.split < len(shape):
                 raise NameMapError(
                     f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
                 )
             names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
-            return Target(leaf, names, rule.transpose, rule.split)
+            return Placement(leaf, names, rule.transpose, rule.split)
         if self.rules:
             raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
-        return Target(leaf, (leaf,), None, None)
+        return Placement(leaf, (leaf,), None, None)
 
-    def place_all(self, shapes: Mapping[str, Sequence[int]]) -> list[Target]:
+    def place_all(self, shapes: Mapping[str, Sequence[int]]) -> list[Placement]:
         """Places every leaf; two leaves on one tensor name is an error naming both."""
-        targets, owner, unplaced = [], {}, []
+        placements, owner, unplaced = [], {}, []
         for leaf, shape in shapes.items():
             try:
-                target = self.place(leaf, shape)
+                placed = self.place(leaf, shape)
             except NameMapError:
                 unplaced.append(leaf)
                 continue
-            if target is None:
+            if placed is None:
                 continue
-            for name in target.names:
+            for name in placed.names:
                 if name in owner:
                     raise NameMapError(
                         f"leaves {owner[name]!r} and {leaf!r} both map to the tensor {name!r}; "
                         "fix the name map so each tensor has one source"
                     )
                 owner[name] = leaf
-            targets.append(target)
+            placements.append(placed)
         if unplaced:
             shown = ", ".join(repr(n) for n in unplaced[:20])
             more = f" (and {len(unplaced) - 20} more)" if len(unplaced) > 20 else ""
@@ -155,7 +155,7 @@ class NameMap:
                 f"no name-map rule places these leaves: {shown}{more}. Add a rule for them, "
                 "a 'drop: true' rule, or narrow 'include'."
             )
-        return targets
+        return placements
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:

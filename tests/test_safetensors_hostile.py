@@ -659,3 +659,12 @@ def test_a_sharded_gcs_directory_still_loads(gcs_dir):
 
 def test_the_fifo_tests_time_out_rather_than_hang(request):
     assert request.config.pluginmanager.hasplugin("timeout")
+
+
+def test_a_missing_path_is_a_jaxckpt_error(tmp_path):
+    """A path with nothing there: a NoCheckpointError (a JaxckptError), not a bare
+    FileNotFoundError, for a file and a directory alike."""
+    target = {"w": np.zeros(2, np.float32)}
+    for missing in (tmp_path / "model.safetensors", tmp_path / "model"):
+        with pytest.raises(errors.NoCheckpointError, match="does not exist: no safetensors"):
+            jaxckpt.load_safetensors(missing, target)

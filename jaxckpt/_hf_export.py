@@ -1,0 +1,118 @@
+"""Export a checkpoint's step to Hugging Face safetensors (`export_safetensors`).
+
+The step is read in batches of leaves (through Orbax, as host NumPy arrays, with no devices
+involved; the next batch is read while the current one is written) and each tensor is
+streamed into its file: peak memory is about two batches of `READ_BATCH_BYTES` (or the
+largest leaf).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from jaxckpt import _hf_files, _layout, _orbax, integrity
+from jaxckpt.names import NameMap
+from jaxckpt.plan import read_batches
+from jaxckpt.storage import absolute
+from jaxckpt.tree import KEY, LeafSpec, ReadRequest
+
+log = logging.getLogger("jaxckpt")
+
+READ_BATCH_BYTES = 128 * 2**20  # export reads about this many bytes per Orbax call
+
+
+def export_safetensors(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    names: NameMap | str | os.PathLike | Mapping | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    skip_unsupported: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> _hf_files.ExportResult:
+    """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
+
+    The step is verified against its manifest first (`CorruptCheckpointError` if it does
+    not match), so corrupt weights are never shipped.
+
+    Args:
+      checkpoint_dir: a jaxckpt checkpoint directory (only read; no lock needed).
+      out_dir: the output directory; must not exist or be empty, unless `overwrite`.
+      step: the step to export; None for the latest committed one.
+      names: a name map (YAML path, mapping or NameMap; see `jaxckpt.names`) from leaf
+        names to HF tensor names, with transposes, layer splits and drops.
+      dtype: cast floating-point tensors to "float32", "bfloat16" or "float16".
+      max_shard_size: per-file limit, decimal units (5GB = 5e9 bytes) or binary (GiB).
+      metadata: string-to-string `__metadata__` for every file (`format: pt` by default).
+      overwrite: replace a non-empty `out_dir`.
+      skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
+        note; False makes them an error.
+      progress: called with (bytes written, bytes to write) after each tensor.
+    """
+    checkpoint_dir = absolute(checkpoint_dir)
+    out_dir, cast, meta = _hf_files.check_output(absolute(out_dir), overwrite, dtype, metadata)
+    limit = _hf_files.parse_size(max_shard_size)
+    name_map = NameMap.load(names)
+
+    store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
+    try:
+        step = store.scan().resolve(step)
+        # The files are hashed while the tensors are written to a temporary directory,
+        # which is published only if they match: corrupt weights are never shipped.
+        with integrity.verified_while_reading(store.directory, step) as check:
+            by_name = {s.name: s for s in _layout.read_info(store.directory, step).state}
+            placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
+            keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
+            placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
+            leaves = [by_name[p.leaf] for p in placements]
+            reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
+            try:
+                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader, progress)
+                files = _hf_files.pack(tensors, limit)
+                _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
+            finally:
+                reader.close()
+    finally:
+        store.close()
+    log.info(
+        "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, len(tensors), len(files)
+    )
+    return _hf_files.exported(out_dir, step, files, skipped)
+
+
+class _LeafReader:
+    """Reads leaves to the host in the order an export asks for them: in batches of at
+    most `budget` bytes (or one larger leaf), the next batch read in a worker thread while
+    the current one is written. At most two batches are held."""
+
+    def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec], budget: int):
+        requests = {s.name: ReadRequest(s.shape, np.dtype(s.dtype), None) for s in specs}
+        self._read = lambda names: store.read_arrays(
+            step, _layout.STATE, {n: requests[n] for n in names}
+        )
+        self._batches = read_batches(requests, budget)
+        self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-export-read")
+        self._reads: dict[int, concurrent.futures.Future] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        i = self._batch_of[name]
+        for j in [j for j in self._reads if j < i]:
+            del self._reads[j]  # consumed: leaves are asked for in order
+        for j in (i, i + 1):
+            if j < len(self._batches) and j not in self._reads:
+                self._reads[j] = self._pool.submit(self._read, self._batches[j])
+        return self._reads[i].result()[name]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()

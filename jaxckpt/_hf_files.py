@@ -1,0 +1,226 @@
+"""Hugging Face safetensors: what export, live export and import share.
+
+Both exports plan their output tensors (`Planned`), pack them into shards in order and
+write the HF layout into a temporary directory that is renamed into place:
+
+    out_dir/model.safetensors                               (when it fits in one shard)
+    out_dir/model-00001-of-00003.safetensors ...            (otherwise)
+    out_dir/model.safetensors.index.json                    (written last: {"metadata":
+                                                             {"total_size": N}, "weight_map"})
+
+Import reads that layout. Every flow maps a leaf to its file tensors with `file_shape`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from etils import epath
+
+from jaxckpt import safetensors_format as st
+from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
+from jaxckpt.names import Placement
+from jaxckpt.storage import is_remote
+
+log = logging.getLogger("jaxckpt")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    step: int | None  # None for a live export (save_safetensors)
+    files: tuple[str, ...]
+    tensors: int
+    total_size: int
+    skipped: tuple[str, ...]  # leaves left out because safetensors cannot hold them
+
+
+class Planned(NamedTuple):
+    """One output tensor; `produce` gives its data when the file is written."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return st.nbytes(self.dtype, self.shape)
+
+
+def exported(out_dir, step: int | None, files: dict[str, list[Planned]], skipped) -> ExportResult:
+    tensors = [t for group in files.values() for t in group]
+    total = sum(t.nbytes for t in tensors)
+    return ExportResult(out_dir, step, tuple(files), len(tensors), total, tuple(skipped))
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string with decimal (5GB = 5e9) or binary (5GiB) units."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if not m:
+            raise ConfigError(f"cannot read the size {size!r}; use e.g. 5GB, 500MB or 2GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+    if value <= 0:
+        raise ConfigError(f"a shard size must be positive, got {size!r}")
+    return value
+
+
+def check_output(
+    out_dir: str | os.PathLike, overwrite: bool, dtype: str | None, metadata: Mapping | None
+) -> tuple[Path, np.dtype | None, dict[str, str]]:
+    """The output path (an epath on object storage), refused when non-empty (unless
+    `overwrite`); the dtype to cast to; every file's `__metadata__` (`format: pt` by default)."""
+    out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(CAST_DTYPES)}, got {dtype!r}")
+    cast = np.dtype(CAST_DTYPES[dtype]) if dtype is not None else None
+    return out_dir, cast, {"format": "pt", **(metadata or {})}
+
+
+def without_keys(
+    placements: list[Placement], keys: list[str], skip_unsupported: bool
+) -> tuple[list[Placement], list[str]]:
+    """Leaves out the PRNG keys the map did not drop: safetensors has no dtype for them."""
+    if keys and not skip_unsupported:
+        raise UnsupportedValueError(
+            f"PRNG key leaves cannot be safetensors: {', '.join(keys)}; drop them in the name map "
+            "or pass skip_unsupported=True"
+        )
+    for name in keys:
+        log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
+    return [p for p in placements if p.leaf not in keys], keys
+
+
+def plan_tensors(placements, by_name, cast, reader, progress=None) -> list[Planned]:
+    """Every output tensor, in leaf order; `reader.get` gives a leaf on the host (the
+    export's batch reader or a live job's leaves; None when nothing is produced)."""
+    planned: list[Planned] = []
+    done = [0]
+    for placed in placements:
+        spec = by_name[placed.leaf]
+        dtype = np.dtype(spec.dtype)
+        dtype = cast if cast is not None and is_float(dtype) else dtype
+        shape = file_shape(placed, spec.shape)
+        for i, name in enumerate(placed.names):
+
+            def produce(i=i, placed=placed, dtype=dtype):
+                value = reader.get(placed.leaf)
+                if placed.split is not None:
+                    value = np.take(value, i, axis=placed.split)
+                if placed.transpose is not None:
+                    value = value.transpose(placed.transpose)
+                if progress is not None:
+                    done[0] += st.nbytes(dtype, value.shape)
+                    progress(done[0], total)
+                return value.astype(dtype, copy=False)
+
+            planned.append(Planned(name, dtype, shape, produce))
+    total = sum(t.nbytes for t in planned)
+    return planned
+
+
+def pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
+    """Greedy, in order: a new file when the next tensor would pass the limit."""
+    groups: list[list[Planned]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def write(
+    out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: bool, before_publish
+) -> None:
+    """Writes the files into a temporary directory, then publishes it unless
+    `before_publish()` raises. Object storage has no rename: there each file appears whole
+    when its upload completes, the index last; a failed export removes them."""
+    if is_remote(out_dir):
+        tmp = out_dir
+        if overwrite and out_dir.exists():
+            out_dir.rmtree()
+        out_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    try:
+        for file_name, tensors in files.items():
+            st.write_file(tmp / file_name, tensors, metadata)
+        before_publish()
+        publish(tmp, out_dir, files, overwrite)
+    except BaseException:
+        if tmp is out_dir:
+            out_dir.rmtree(missing_ok=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite: bool) -> None:
+    """Writes the index (for a sharded export; last: its presence means complete) and
+    renames `tmp` into place (unless it is `out_dir`, written in place)."""
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for g in files.values() for t in g)},
+            "weight_map": {t.name: f for f, g in files.items() for t in g},
+        }
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if tmp is out_dir:
+        return
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    if any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out_dir} became non-empty during the export")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def file_shape(placed: Placement, shape) -> tuple[int, ...]:
+    """The shape of each file tensor a leaf of `shape` becomes (split, then transposed)."""
+    shape = list(shape)
+    if placed.split is not None:
+        del shape[placed.split]
+    if placed.transpose is not None:
+        if sorted(placed.transpose) != list(range(len(shape))):
+            raise ConfigError(
+                f"transpose {placed.transpose} does not fit leaf {placed.leaf!r} "
+                f"(tensor shape {tuple(shape)})"
+            )
+        shape = [shape[a] for a in placed.transpose]
+    return tuple(shape)
+
+
+def is_float(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"

@@ -1,0 +1,207 @@
+"""Hugging Face safetensors from a running job, without a checkpoint (`save_safetensors`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from jaxckpt import _hf_files
+from jaxckpt import safetensors_format as st
+from jaxckpt.errors import ConfigError
+from jaxckpt.names import NameMap, Placement
+from jaxckpt.storage import absolute, is_remote
+from jaxckpt.tree import leaf_name
+
+LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
+
+
+def save_safetensors(
+    state: Any,
+    out_dir: str | os.PathLike,
+    *,
+    names: NameMap | str | os.PathLike | Mapping | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    skip_unsupported: bool = True,
+) -> _hf_files.ExportResult:
+    """Writes a live (sharded) state as HF safetensors from inside a training job.
+
+    Every process calls it with the same arguments. The file layout follows from names,
+    dtypes and shapes alone, so process 0 writes the headers and sizes the files, then each
+    process writes the bytes of its own shards at their offsets (one replica per shard, no
+    all-gather), and process 0 writes the index last and renames the directory into place.
+    `out_dir` must be on storage every process sees. Arguments as for `export_safetensors`.
+
+    On object storage (gs://), which has no writes at an offset, the files are streamed one
+    tensor at a time (one leaf on the host at once), by a single-process job; a multi-process
+    job saves a checkpoint and exports it with `export_safetensors` instead.
+    """
+    from jax.experimental import multihost_utils
+
+    out_dir = absolute(out_dir)
+    remote = is_remote(out_dir)
+    if remote and jax.process_count() > 1:
+        raise ConfigError(
+            f"save_safetensors to object storage ({out_dir}) runs in a single-process job: "
+            "object storage cannot take each process's bytes at their offsets. Save a "
+            "checkpoint and export it with jaxckpt.export_safetensors (or `jaxckpt export`)."
+        )
+    out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
+    primary = jax.process_index() == 0
+    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
+    placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
+    keys = [p.leaf for p in placements if _is_key(leaves[p.leaf])]
+    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
+    specs = {}  # the shape and dtype of each leaf placed
+    for p in placements:
+        leaf = leaves[p.leaf]
+        leaf_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        specs[p.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype)
+    reader = _LiveLeaves(leaves) if remote else None  # else: not produced, written by region
+    planned = _hf_files.plan_tensors(placements, specs, cast, reader)
+    files = _hf_files.pack(planned, _hf_files.parse_size(max_shard_size))
+    if remote:
+        _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
+        return _hf_files.exported(out_dir, None, files, skipped)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-live")
+    layouts = {
+        f: st.encode_header([(t.name, t.dtype, t.shape) for t in g], meta) for f, g in files.items()
+    }
+    where = {t.name: (f, layouts[f][1][t.name], t) for f, g in files.items() for t in g}
+
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f, (head, _) in layouts.items():
+            with open(tmp / f, "wb") as out:
+                out.write(head)
+                out.truncate(len(head) + sum(t.nbytes for t in files[f]))
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:files")
+    fds = {f: os.open(tmp / f, os.O_WRONLY) for f in files}
+
+    def write_leaf(placed: Placement) -> None:
+        pieces = _local_pieces(leaves[placed.leaf], primary)
+        if placed.split is None and placed.transpose is None:
+            # The common case: the shards' rows go to the file with gathered writes, no copy.
+            f, offset, tensor = where[placed.names[0]]
+            rows: dict[tuple, list] = {}  # pieces by their rows (all axes but the last)
+            for index, data in pieces:
+                if data.dtype == tensor.dtype:
+                    key = tuple((s.start, s.stop) for s in index[:-1])
+                    rows.setdefault(key, []).append((index, data))
+            written = set()
+            for block in rows.values():
+                if st.write_rows(fds[f], offset, tensor.shape, block):
+                    written.update(id(data) for _, data in block)
+            pieces = [(index, data) for index, data in pieces if id(data) not in written]
+        for axis in reversed(range(len(pieces[0][0]) if pieces else 0)):
+            pieces = _join_along(pieces, axis)  # the rest: larger blocks, fewer writes
+        for index, data in pieces:
+            for name, region, piece in _to_tensors(placed, index, data):
+                f, offset, tensor = where[name]
+                piece = piece.astype(tensor.dtype, copy=False)
+                st.write_region(fds[f], offset, tensor.shape, region, piece)
+
+    try:
+        # Leaves in parallel: device-to-host copies and writes overlap (both release the
+        # GIL); at most LIVE_WRITERS leaves are on the host at once.
+        with concurrent.futures.ThreadPoolExecutor(LIVE_WRITERS, "jaxckpt-export") as pool:
+            list(pool.map(write_leaf, placements))
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:written")
+    if primary:
+        _hf_files.publish(tmp, out_dir, files, overwrite)
+    multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
+    return _hf_files.exported(out_dir, None, files, skipped)
+
+
+class _LiveLeaves:
+    """Live leaves to the host in the order an export asks for them, one at a time (a leaf
+    split into several tensors is copied once)."""
+
+    def __init__(self, leaves: Mapping[str, Any]):
+        self._leaves = leaves
+        self._last: tuple[str | None, Any] = (None, None)
+
+    def get(self, name: str) -> np.ndarray:
+        if self._last[0] != name:
+            self._last = (None, None)  # the previous leaf's copy goes first
+            self._last = (name, np.asarray(self._leaves[name]))
+        return self._last[1]
+
+
+def _is_key(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """(index with concrete bounds, host data) of what this process writes of a leaf: one
+    replica of each of its shards (on CPU devices a view, elsewhere a device-to-host copy)."""
+    if isinstance(leaf, jax.Array):
+        return [
+            (
+                tuple(slice(*s.indices(n)[:2]) for s, n in zip(sh.index, leaf.shape, strict=True)),
+                np.asarray(sh.data),
+            )
+            for sh in leaf.addressable_shards
+            if sh.replica_id == 0
+        ]
+    if primary:  # NumPy arrays and scalars: process 0 writes them
+        value = np.asarray(leaf)
+        return [(tuple(slice(None) for _ in value.shape), value)]
+    return []
+
+
+def _join_along(pieces: list, axis: int) -> list:
+    """Concatenates the pieces that touch along `axis` and agree on every other axis."""
+    rows: dict[tuple, list] = {}
+    for index, data in pieces:
+        others = tuple((s.start, s.stop) for s in index[:axis] + index[axis + 1 :])
+        rows.setdefault(others, []).append((index, data))
+    joined = []
+    for row in rows.values():
+        row.sort(key=lambda piece: piece[0][axis].start)
+        runs = [[row[0]]]
+        for piece in row[1:]:
+            if piece[0][axis].start == runs[-1][-1][0][axis].stop:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        for run in runs:
+            index = list(run[0][0])
+            index[axis] = slice(run[0][0][axis].start, run[-1][0][axis].stop)
+            data = run[0][1] if len(run) == 1 else np.concatenate([d for _, d in run], axis)
+            joined.append((tuple(index), data))
+    return joined
+
+
+def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray):
+    """Maps a piece of a leaf onto its file tensors: (tensor name, region, data)."""
+    pieces = []
+    if placed.split is None:
+        pieces.append((placed.names[0], index, data))
+    else:
+        axis = placed.split
+        start = index[axis].start
+        rest = index[:axis] + index[axis + 1 :]
+        for j in range(data.shape[axis]):
+            pieces.append((placed.names[start + j], rest, np.take(data, j, axis=axis)))
+    if placed.transpose is not None:
+        pieces = [
+            (n, tuple(r[a] for a in placed.transpose), d.transpose(placed.transpose))
+            for n, r, d in pieces
+        ]
+    return pieces
