@@ -39,7 +39,7 @@ from examples.train import (
     make_mesh,
     state_of,
 )
-from jaxckpt.tree import leaf_name
+from jaxckpt._tree import leaf_name
 
 DATA_PARALLEL = tuple((name, None) for name, _ in Config.rules)  # every logical axis replicated
 

@@ -10,18 +10,18 @@ from jaxckpt._hf_export import export_safetensors as export_safetensors
 from jaxckpt._hf_files import ExportResult as ExportResult
 from jaxckpt._hf_import import load_safetensors as load_safetensors
 from jaxckpt._hf_live import save_safetensors as save_safetensors
-from jaxckpt.integrity import StepReport as StepReport
-from jaxckpt.integrity import verify as verify
-from jaxckpt.manager import CheckpointManager as CheckpointManager
-from jaxckpt.manager import Restored as Restored
-from jaxckpt.names import NameMap as NameMap
-from jaxckpt.plan import ProcessPlan as ProcessPlan
-from jaxckpt.plan import RestorePlan as RestorePlan
-from jaxckpt.policy import RetentionPolicy as RetentionPolicy
-from jaxckpt.policy import SavePolicy as SavePolicy
-from jaxckpt.preemption import PreemptionPolicy as PreemptionPolicy
-from jaxckpt.targets import target_from_flax as target_from_flax
-from jaxckpt.targets import target_like as target_like
-from jaxckpt.targets import target_on_mesh as target_on_mesh
+from jaxckpt._integrity import StepReport as StepReport
+from jaxckpt._integrity import verify as verify
+from jaxckpt._manager import CheckpointManager as CheckpointManager
+from jaxckpt._manager import Restored as Restored
+from jaxckpt._names import NameMap as NameMap
+from jaxckpt._plan import ProcessPlan as ProcessPlan
+from jaxckpt._plan import RestorePlan as RestorePlan
+from jaxckpt._policy import RetentionPolicy as RetentionPolicy
+from jaxckpt._policy import SavePolicy as SavePolicy
+from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
+from jaxckpt._targets import target_from_flax as target_from_flax
+from jaxckpt._targets import target_like as target_like
+from jaxckpt._targets import target_on_mesh as target_on_mesh
 
 __version__ = "0.1.0"

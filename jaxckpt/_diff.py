@@ -9,11 +9,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jaxckpt import _layout as layout
-from jaxckpt import _orbax
+from jaxckpt import _layout, _orbax
+from jaxckpt._plan import read_batches
+from jaxckpt._tree import LeafSpec, ReadRequest
 from jaxckpt.errors import ConfigError
-from jaxckpt.plan import read_batches
-from jaxckpt.tree import LeafSpec, ReadRequest
 
 COMPARE_BATCH_BYTES = 128 * 2**20  # read from each step at a time
 
@@ -68,14 +67,14 @@ def diff(
     a step None is the directory's latest committed one. Reads metadata only, unless
     `values`: then each leaf both hold alike is read from both (on the host, in batches) and
     `progress(bytes compared, bytes to compare)` is called after each."""
-    if item not in layout.ITEMS:
-        raise ConfigError(f"item must be one of {list(layout.ITEMS)}, got {item!r}")
+    if item not in _layout.ITEMS:
+        raise ConfigError(f"item must be one of {list(_layout.ITEMS)}, got {item!r}")
     sides = ((directory_a, step_a), (directory_b or directory_a, step_b))
     stores = [_orbax.OrbaxStore(d, read_only=True) for d, _ in sides]
     try:
         steps = [store.scan().resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
         a, b = (
-            {s.name: s for s in layout.read_info(store.directory, step).leaves(item)}
+            {s.name: s for s in _layout.read_info(store.directory, step).leaves(item)}
             for store, step in zip(stores, steps, strict=True)
         )
         found = StepDiff((steps[0], steps[1]), item, a, b)

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jaxckpt import _hf_files, _layout, _orbax, integrity
-from jaxckpt.names import NameMap
-from jaxckpt.plan import read_batches
-from jaxckpt.storage import absolute
-from jaxckpt.tree import KEY, LeafSpec, ReadRequest
+from jaxckpt import _hf_files, _integrity, _layout, _orbax
+from jaxckpt._names import NameMap
+from jaxckpt._plan import read_batches
+from jaxckpt._storage import absolute
+from jaxckpt._tree import KEY, LeafSpec, ReadRequest
 
 log = logging.getLogger("jaxckpt")
 
@@ -48,7 +48,7 @@ def export_safetensors(
       checkpoint_dir: a jaxckpt checkpoint directory (only read; no lock needed).
       out_dir: the output directory; must not exist or be empty, unless `overwrite`.
       step: the step to export; None for the latest committed one.
-      names: a name map (YAML path, mapping or NameMap; see `jaxckpt.names`) from leaf
+      names: a name map (YAML path, mapping or NameMap; see `jaxckpt._names`) from leaf
         names to HF tensor names, with transposes, layer splits and drops.
       dtype: cast floating-point tensors to "float32", "bfloat16" or "float16".
       max_shard_size: per-file limit, decimal units (5GB = 5e9 bytes) or binary (GiB).
@@ -68,7 +68,7 @@ def export_safetensors(
         step = store.scan().resolve(step)
         # The files are hashed while the tensors are written to a temporary directory,
         # which is published only if they match: corrupt weights are never shipped.
-        with integrity.verified_while_reading(store.directory, step) as check:
+        with _integrity.verified_while_reading(store.directory, step) as check:
             by_name = {s.name: s for s in _layout.read_info(store.directory, step).state}
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]

@@ -26,10 +26,10 @@ from typing import NamedTuple
 import numpy as np
 from etils import epath
 
-from jaxckpt import safetensors_format as st
+from jaxckpt import _safetensors as st
+from jaxckpt._names import Placement
+from jaxckpt._storage import is_remote
 from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
-from jaxckpt.names import Placement
-from jaxckpt.storage import is_remote
 
 log = logging.getLogger("jaxckpt")
 

@@ -20,8 +20,11 @@ import numpy as np
 from etils import epath
 from jax import tree_util
 
-from jaxckpt import safetensors_format as st
+from jaxckpt import _safetensors as st
 from jaxckpt._hf_files import INDEX_FILE, SINGLE_FILE, file_shape, is_float
+from jaxckpt._names import NameMap, Placement
+from jaxckpt._storage import absolute, is_remote
+from jaxckpt._tree import leaf_name
 from jaxckpt.errors import (
     FormatError,
     LeafMismatchError,
@@ -30,9 +33,6 @@ from jaxckpt.errors import (
     TreeMismatchError,
     UnsupportedValueError,
 )
-from jaxckpt.names import NameMap, Placement
-from jaxckpt.storage import absolute, is_remote
-from jaxckpt.tree import leaf_name
 
 MAX_INDEX = 100 * 1000 * 1000  # bytes; real indexes are kilobytes to a few megabytes
 

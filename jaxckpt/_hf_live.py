@@ -13,11 +13,11 @@ import numpy as np
 from jax import tree_util
 
 from jaxckpt import _hf_files
-from jaxckpt import safetensors_format as st
+from jaxckpt import _safetensors as st
+from jaxckpt._names import NameMap, Placement
+from jaxckpt._storage import absolute, is_remote
+from jaxckpt._tree import leaf_name
 from jaxckpt.errors import ConfigError
-from jaxckpt.names import NameMap, Placement
-from jaxckpt.storage import absolute, is_remote
-from jaxckpt.tree import leaf_name
 
 LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
 

@@ -35,9 +35,9 @@ from typing import Any
 
 from etils import epath
 
+from jaxckpt._storage import is_remote, open_inside
+from jaxckpt._tree import LeafSpec
 from jaxckpt.errors import CorruptCheckpointError, NoCheckpointError, StepNotFoundError
-from jaxckpt.storage import is_remote, open_inside
-from jaxckpt.tree import LeafSpec
 
 STATE, RNG, DATA = "state", "rng", "data"  # Orbax items: folders of a step
 ITEMS = (STATE, RNG)  # the items of arrays

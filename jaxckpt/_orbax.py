@@ -1,6 +1,6 @@
 """The only module that talks to Orbax.
 
-jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt.tree`) and small JSON documents;
+jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt._tree`) and small JSON documents;
 everything about handlers, restore args and Orbax's step folders stays in this file, so the
 Orbax API (v0 `CheckpointManager` today) can be swapped without touching the rest. What a
 step is on disk is `jaxckpt._layout`'s.
@@ -21,13 +21,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _layout as layout
-from jaxckpt import integrity
+from jaxckpt import _integrity, _layout
+from jaxckpt._lock import ObjectLease, WriterLock
+from jaxckpt._plan import read_batches
+from jaxckpt._storage import absolute, is_remote
+from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import CorruptCheckpointError, JaxckptError, NoCheckpointError, RestoreError
-from jaxckpt.lock import ObjectLease, WriterLock
-from jaxckpt.plan import read_batches
-from jaxckpt.storage import absolute, is_remote
-from jaxckpt.tree import ReadRequest
 
 log = logging.getLogger("jaxckpt")
 
@@ -131,7 +130,7 @@ DATA_FILE_BYTES = 128 * 2**20
 
 class _DataStateHandler(ocp.CheckpointHandler):
     """Writes each process's data-iterator state to its own file, and beside it what the
-    iterator was (`jaxckpt.iterators.describe`), checked at restore before any array is
+    iterator was (`jaxckpt._iterators.describe`), checked at restore before any array is
     read. Per process, as the states are: each process's pipeline reads its own shard."""
 
     def save(self, directory: epath.Path, args: DataSave) -> None:
@@ -154,7 +153,7 @@ class _DataStateHandler(ocp.CheckpointHandler):
 
     @staticmethod
     def _path(directory: epath.Path, kind: str) -> epath.Path:
-        return directory / layout.data_file(kind, jax.process_index(), jax.process_count())
+        return directory / _layout.data_file(kind, jax.process_index(), jax.process_count())
 
 
 @ocp.args.register_with_handler(_DataStateHandler, for_save=True)
@@ -218,10 +217,10 @@ class OrbaxStore:
             self.directory,
             options=options,
             item_handlers={
-                layout.STATE: arrays,
-                layout.RNG: arrays,
-                layout.DATA: _DataStateHandler(),
-                layout.META_DIR: ocp.JsonCheckpointHandler(filename=layout.INFO_FILE),
+                _layout.STATE: arrays,
+                _layout.RNG: arrays,
+                _layout.DATA: _DataStateHandler(),
+                _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
             },
         )
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
@@ -233,21 +232,21 @@ class OrbaxStore:
                 self._deleter.submit(_remove, self.directory / n, "an unfinished save's leftovers")
                 for n in ocp.path.step.tmp_checkpoints(self.directory)
             ]
-            for leftover in self.directory.glob(f"*{layout.DELETING_SUFFIX}"):
+            for leftover in self.directory.glob(f"*{_layout.DELETING_SUFFIX}"):
                 self._deleter.submit(_remove, leftover)
             for step in self._tombstoned():
                 self._deleter.submit(self._remove_tombstoned, step)
 
-    def scan(self) -> layout.Listing:
+    def scan(self) -> _layout.Listing:
         """The directory as it is now (another process may have written or deleted)."""
         if not self.directory.exists():  # removed under a reader
-            return layout.Listing(self.directory)
+            return _layout.Listing(self.directory)
         self._mngr.reload()
         names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
-        return layout.Listing.of(
+        return _layout.Listing.of(
             self.directory,
             finalized=set(self._mngr.all_steps()),
-            uncommitted={step for n in names if (step := layout.step_of(n)) is not None},
+            uncommitted={step for n in names if (step := _layout.step_of(n)) is not None},
             hidden=self._tombstoned(),
         )
 
@@ -269,7 +268,7 @@ class OrbaxStore:
         state: Mapping[str, Any],
         rng: Mapping[str, Any],
         data: str | None,
-        info: layout.StepInfo,
+        info: _layout.StepInfo,
         data_about: str | None = None,
     ) -> None:
         """Starts an async save; returns once device arrays are copied to host memory.
@@ -281,7 +280,7 @@ class OrbaxStore:
            now, and every process writes its shards into it in the background.
         3. Once every item is written on every process (Orbax's post-finalization
            callback, `_before_commit`), process 0 writes the manifest of every file
-           (`integrity.write_manifest`), then asks the lock again, of the server itself
+           (`_integrity.write_manifest`), then asks the lock again, of the server itself
            for a lease: a writer that lost it raises there and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.
@@ -289,8 +288,8 @@ class OrbaxStore:
         """
         if self._lock is not None:
             self._lock.check()
-        args: dict[str, Any] = {layout.META_DIR: ocp.args.JsonSave(info.to_json())}
-        for item, arrays in ((layout.STATE, state), (layout.RNG, rng)):
+        args: dict[str, Any] = {_layout.META_DIR: ocp.args.JsonSave(info.to_json())}
+        for item, arrays in ((_layout.STATE, state), (_layout.RNG, rng)):
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             arrays = {name: a for name, a in arrays.items() if a.size}
             if arrays:
@@ -298,7 +297,7 @@ class OrbaxStore:
                     arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
         if data is not None:
-            args[layout.DATA] = DataSave(data, data_about)
+            args[_layout.DATA] = DataSave(data, data_about)
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -307,8 +306,8 @@ class OrbaxStore:
         # are finalized and before it renames the step's temporary folder into place.
         if self._saving is None or jax.process_index() != 0:
             return
-        tmp = self.directory / f"{self._saving}{layout.TMP_SUFFIX}"
-        integrity.write_manifest(tmp if tmp.exists() else self.step_dir(self._saving))
+        tmp = self.directory / f"{self._saving}{_layout.TMP_SUFFIX}"
+        _integrity.write_manifest(tmp if tmp.exists() else self.step_dir(self._saving))
         if self._lock is not None:  # last: a writer that lost its lock never commits
             self._lock.check(confirm=True)
 
@@ -344,10 +343,10 @@ class OrbaxStore:
         return out
 
     def read_data_state(self, step: int) -> str:
-        with _read_errors(step, layout.DATA, self.directory):
+        with _read_errors(step, _layout.DATA, self.directory):
             return self._mngr.restore(
-                step, args=ocp.args.Composite(**{layout.DATA: DataRestore()})
-            )[layout.DATA]
+                step, args=ocp.args.Composite(**{_layout.DATA: DataRestore()})
+            )[_layout.DATA]
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
@@ -357,10 +356,10 @@ class OrbaxStore:
         its objects and then the tombstone are deleted."""
         if jax.process_index() == 0:
             if is_remote(self.directory):
-                (self.directory / f"{step}{layout.TOMBSTONE_SUFFIX}").write_bytes(b"")
+                (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")
                 self._deleter.submit(self._remove_tombstoned, step)
             else:
-                doomed = self.directory / f"{step}{layout.DELETING_SUFFIX}"
+                doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
                 self.step_dir(step).rename(doomed)
                 self._deleter.submit(_remove, doomed)
         if jax.process_count() > 1:
@@ -376,15 +375,15 @@ class OrbaxStore:
         if not is_remote(self.directory):
             return set()
         names = (
-            p.name.removesuffix(layout.TOMBSTONE_SUFFIX)
-            for p in self.directory.glob(f"*{layout.TOMBSTONE_SUFFIX}")
+            p.name.removesuffix(_layout.TOMBSTONE_SUFFIX)
+            for p in self.directory.glob(f"*{_layout.TOMBSTONE_SUFFIX}")
         )
-        return {step for n in names if (step := layout.step_of(n)) is not None}
+        return {step for n in names if (step := _layout.step_of(n)) is not None}
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""
         if _remove(self.step_dir(step)):
-            _remove(self.directory / f"{step}{layout.TOMBSTONE_SUFFIX}")
+            _remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
 
 
 @contextlib.contextmanager
@@ -415,7 +414,7 @@ def _check_read(
     )
     raise CorruptCheckpointError(
         step,
-        [f"{item} leaf {name!r} is {found}, but {layout.INFO_PATH} records shape {request.shape}"],
+        [f"{item} leaf {name!r} is {found}, but {_layout.INFO_PATH} records shape {request.shape}"],
         str(directory),
     )
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import click
 
+from jaxckpt._storage import is_remote
 from jaxckpt.errors import ConfigError, CorruptCheckpointError, JaxckptError, NoCheckpointError
-from jaxckpt.storage import is_remote
 
 # The exit status: 0 done, 1 an error (what was asked for failed or is not there), 2 a
 # usage error (an unknown command or option, an option value that cannot be right).
@@ -56,7 +56,7 @@ CLI_WORDS = (
         "Restore another step, or pass fallback=True to restore the newest step that verifies.",
         "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify.",
     ),
-    # LockedError (jaxckpt.lock)
+    # LockedError (jaxckpt._lock)
     (
         "Stop that job first, or open this one with read_only=True to restore.",
         "Stop that job first (only `jaxckpt rm` needs the lock; the other commands read).",
@@ -231,7 +231,7 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def _json(doc: Any) -> None:
-    from jaxckpt.tree import strict_json  # a NaN in meta= is the string "NaN" here
+    from jaxckpt._tree import strict_json  # a NaN in meta= is the string "NaN" here
 
     click.echo(json.dumps(strict_json(doc), indent=1, allow_nan=False))
 
@@ -310,8 +310,8 @@ DIR = click.argument("checkpoint_dir", metavar="DIR")
 def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     """The steps of a checkpoint directory: time, size, status; the latest marked *."""
     _cpu()
-    from jaxckpt import _layout, integrity
-    from jaxckpt.plan import size_text
+    from jaxckpt import _integrity, _layout
+    from jaxckpt._plan import size_text
 
     store = _store(checkpoint_dir)
     try:
@@ -335,7 +335,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                     continue
                 status = "committed"
                 if check:
-                    report = integrity.verify_step(
+                    report = _integrity.verify_step(
                         path, step, progress=lambda s, d, t: update(s, d, t)
                     )
                     status = "verified" if report.ok else "CORRUPT"
@@ -410,7 +410,7 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
     except re.error as e:
         raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
     from jaxckpt import _layout
-    from jaxckpt.plan import size_text
+    from jaxckpt._plan import size_text
 
     _check_item(item)
     path, info = _info(checkpoint_dir, step)
@@ -582,8 +582,8 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     import jax
     import numpy as np
 
-    from jaxckpt.plan import auto_inflight_bytes, plan_reads
-    from jaxckpt.targets import requests_on_mesh
+    from jaxckpt._plan import auto_inflight_bytes, plan_reads
+    from jaxckpt._targets import requests_on_mesh
 
     _, info = _info(checkpoint_dir, step)
     saved_axes = next((tuple(s.sharding["mesh"]) for s in info.state if s.spec is not None), ())
@@ -689,7 +689,7 @@ def verify(checkpoint_dir, step, as_json) -> None:
     _cpu()
     from etils import epath
 
-    from jaxckpt.integrity import verify as verify_dir
+    from jaxckpt._integrity import verify as verify_dir
 
     _need_dir(checkpoint_dir)
     with _progress("verify step {key}") as update:
@@ -755,7 +755,7 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     from etils import epath
 
     from jaxckpt import _orbax
-    from jaxckpt.lock import writer_lock
+    from jaxckpt._lock import writer_lock
 
     _need_dir(checkpoint_dir)
     lock = writer_lock(checkpoint_dir, lease_s=60.0)

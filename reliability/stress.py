@@ -113,7 +113,7 @@ def start_writers(
 def unfinished(directory: epath.Path) -> list[str]:
     """Saves that never committed: Orbax's temporary folders (local disk) or, on object
     storage, step folders without Orbax's commit marker."""
-    from jaxckpt.storage import is_remote
+    from jaxckpt._storage import is_remote
 
     names = [p.name for p in directory.iterdir()]
     tmp = [n for n in names if "orbax-checkpoint-tmp" in n]

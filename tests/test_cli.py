@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from conftest import run_python
+from jaxckpt._plan import RESTORE_FIXED_BYTES
 from jaxckpt.cli import main
-from jaxckpt.plan import RESTORE_FIXED_BYTES
 
 
 def put(x, mesh, spec):
@@ -137,7 +137,7 @@ def test_plan_onto_another_mesh_and_hosts(two_steps):
         assert p["read_bytes"] == w // 2 + b + count + host
         assert p["device_bytes"] == w // 2 + 4 * (b // 4) + 4 * count
         # Device memory is not host memory here: half the one batch read, a quarter of all
-        # read, and the fixed cost (jaxckpt.plan.peak_host_bytes).
+        # read, and the fixed cost (jaxckpt._plan.peak_host_bytes).
         read = p["read_bytes"]
         assert p["peak_host_bytes"] == read // 2 + read // 4 + RESTORE_FIXED_BYTES
     # A mesh without "data": w keeps its spec only where it fits, else replicated, named.

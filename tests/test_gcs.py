@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _orbax, cli
-from jaxckpt.lock import ObjectLease
+from jaxckpt._lock import ObjectLease
 from reliability.stress import Tally, kill_trial
 
 

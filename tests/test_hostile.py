@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from conftest import Iterator
-from jaxckpt import errors, integrity
+from jaxckpt import _integrity, errors
 from jaxckpt.cli import main as cli_main
 from reliability import hostile
 
@@ -84,7 +84,7 @@ def edit_info(step_dir, change, *, rehash=True):
     change(info)
     path.write_text(json.dumps(info))
     if rehash:  # an attacker who can write the step can also rewrite its manifest
-        integrity.write_manifest(step_dir)
+        _integrity.write_manifest(step_dir)
 
 
 def set_manifest_entry(step_dir, name, value):
@@ -104,7 +104,7 @@ def _ghost_leaf(info):
 
 def _garbage_data_state(step_dir):
     (step_dir / "data" / "process_0-of-1.json").write_text("{oops")
-    integrity.write_manifest(step_dir)
+    _integrity.write_manifest(step_dir)
 
 
 HOSTILE = {
@@ -257,13 +257,13 @@ def test_a_writer_whose_lock_was_deleted_commits_nothing_more(ckpt, mesh):
 def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh, monkeypatch):
     """The lock goes between the save's start and its commit: the commit is refused."""
     a = jaxckpt.CheckpointManager(ckpt)
-    write_manifest = integrity.write_manifest
+    write_manifest = _integrity.write_manifest
 
     def lock_gone_first(step_dir):
         (ckpt / ".jaxckpt-writer.lock").unlink()
         write_manifest(step_dir)
 
-    monkeypatch.setattr(integrity, "write_manifest", lock_gone_first)
+    monkeypatch.setattr(_integrity, "write_manifest", lock_gone_first)
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.SaveError, match="lost the writer lock") as caught:
         a.wait()

@@ -254,13 +254,13 @@ def test_a_process_dying_after_the_write_barrier_leaves_a_whole_step_and_says_so
     # Every part is written and confirmed; process 0 kills process 1 while it commits. The
     # step is whole, and the survivor's error must not claim that it was not committed.
     hook = """
-write_manifest = jaxckpt.integrity.write_manifest
+write_manifest = jaxckpt._integrity.write_manifest
 def kill_then_commit(step_dir):
     if step_dir.name.startswith("2"):
         wait_until_process_0_saved()
         os.kill(int((SCRATCH / "pid1").read_text()), signal.SIGKILL)
     write_manifest(step_dir)
-jaxckpt.integrity.write_manifest = kill_then_commit
+jaxckpt._integrity.write_manifest = kill_then_commit
 """
     report, after = _kill_during_step_2(tmp_path, hook)
     assert report["committed"]

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt.plan import RESTORE_FIXED_BYTES, process_bytes, read_batches
-from jaxckpt.tree import LeafSpec, plan_restore
+from jaxckpt._plan import RESTORE_FIXED_BYTES, process_bytes, read_batches
+from jaxckpt._tree import LeafSpec, plan_restore
 
 
 def make_mesh(shape, names, axis_type=AxisType.Auto, devices=None):

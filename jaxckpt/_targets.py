@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxckpt._tree import LeafSpec, ReadRequest, leaf_name, replicated_sharding
 from jaxckpt.errors import ConfigError
-from jaxckpt.tree import LeafSpec, ReadRequest, leaf_name, replicated_sharding
 
 log = logging.getLogger("jaxckpt")
 

@@ -29,8 +29,21 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _layout as layout
-from jaxckpt import _orbax, integrity, iterators
+from jaxckpt import _integrity, _iterators, _layout, _orbax
+from jaxckpt._lock import writer_lock
+from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads
+from jaxckpt._policy import RetentionPolicy, SavePolicy
+from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
+from jaxckpt._storage import absolute
+from jaxckpt._tree import (
+    check_json,
+    flatten,
+    nest,
+    node_types,
+    plan_restore,
+    replicated_sharding,
+    uniform_requests,
+)
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -43,20 +56,6 @@ from jaxckpt.errors import (
     StepExistsError,
     StepNotFoundError,
     TreeMismatchError,
-)
-from jaxckpt.lock import writer_lock
-from jaxckpt.plan import RestorePlan, auto_inflight_bytes, plan_reads
-from jaxckpt.policy import RetentionPolicy, SavePolicy
-from jaxckpt.preemption import PreemptionPolicy, PreemptionWatcher
-from jaxckpt.storage import absolute
-from jaxckpt.tree import (
-    check_json,
-    flatten,
-    nest,
-    node_types,
-    plan_restore,
-    replicated_sharding,
-    uniform_requests,
 )
 
 log = logging.getLogger("jaxckpt")
@@ -260,7 +259,7 @@ class CheckpointManager:
                 "away or save under another step."
             )
         with _gc_paused():
-            info = layout.StepInfo(
+            info = _layout.StepInfo(
                 step=step,
                 state=tuple(state_specs),
                 rng=tuple(rng_specs),
@@ -355,7 +354,7 @@ class CheckpointManager:
           data: an iterator with `set_state`; it is moved to the saved position in place,
             after everything else was read successfully. It must be built like the saved
             one (type, state fields, grain pipeline or DataLoader sampler and source, see
-            `jaxckpt.iterators`): a mismatch is a DataStateError before any array is read.
+            `jaxckpt._iterators`): a mismatch is a DataStateError before any array is read.
           partial: restore only the leaves in the `state` target (e.g. `{"params": ...}`
             of a saved `{"params", "opt_state"}`); the rest is not read.
           fallback: with `step=None`, move to older steps while the newest does not verify.
@@ -434,7 +433,7 @@ class CheckpointManager:
         if data is not None:  # before any array is read (and, on one process, any file hashed)
             info = self._read_info(step)
             self._check_data(step, info, data, mismatch_ok)
-        with integrity.verified_while_reading(
+        with _integrity.verified_while_reading(
             self.directory, step, verify=self._verify and not several
         ):
             info = info or self._read_info(step)
@@ -444,7 +443,7 @@ class CheckpointManager:
             restored = dataclasses.replace(restored, data=data)
         return restored
 
-    def _check_data(self, step: int, info: layout.StepInfo, data: Any, mismatch_ok: bool) -> None:
+    def _check_data(self, step: int, info: _layout.StepInfo, data: Any, mismatch_ok: bool) -> None:
         """Refuses, before any array is read, a data iterator unlike the one saved (or one
         for a step saved without data=). Every process decides on its own iterator, then all
         agree (a collective), so that none reads arrays while another gave up."""
@@ -468,7 +467,7 @@ class CheckpointManager:
             raise DataStateError(problem)
 
     def _data_problem(
-        self, step: int, info: layout.StepInfo, data: Any, mismatch_ok: bool
+        self, step: int, info: _layout.StepInfo, data: Any, mismatch_ok: bool
     ) -> str | None:
         if not callable(getattr(data, "set_state", None)):
             return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
@@ -478,10 +477,10 @@ class CheckpointManager:
                 "restore without data= or from a step saved with it"
             )
         # None: saved before jaxckpt recorded it
-        saved = layout.read_data_about(
+        saved = _layout.read_data_about(
             self.directory, step, jax.process_index(), jax.process_count()
         )
-        changed = iterators.differences(saved, iterators.describe(data)) if saved else []
+        changed = _iterators.differences(saved, _iterators.describe(data)) if saved else []
         if not changed:
             return None
         if mismatch_ok:
@@ -504,7 +503,7 @@ class CheckpointManager:
     def _verify_share(self, step: int) -> tuple[str, ...]:
         """Each process checks a share of the step's files; all agree on the verdict."""
         share = (jax.process_index(), jax.process_count())
-        problems = integrity.verify_step(self._store.step_dir(step), step, share=share).problems
+        problems = _integrity.verify_step(self._store.step_dir(step), step, share=share).problems
         counts = multihost_utils.process_allgather(np.int32(len(problems)))
         if not problems and np.any(counts):
             found = [i for i, c in enumerate(np.ravel(counts)) if c]
@@ -515,15 +514,15 @@ class CheckpointManager:
         if problems:
             raise CorruptCheckpointError(step, problems, str(self.directory))
 
-    def _read_info(self, step: int) -> layout.StepInfo:
+    def _read_info(self, step: int) -> _layout.StepInfo:
         """The step's jaxckpt metadata, checked (CorruptCheckpointError if damaged)."""
         try:
-            return layout.read_info(self.directory, step)
+            return _layout.read_info(self.directory, step)
         except FileNotFoundError:
             if step not in self._store.committed_steps():
                 raise self._deleted(step) from None
             raise CorruptCheckpointError(
-                step, [f"{layout.INFO_PATH} is missing"], str(self.directory)
+                step, [f"{_layout.INFO_PATH} is missing"], str(self.directory)
             ) from None
 
     def _restore_step(self, step, info, state, rng, partial) -> Restored:
@@ -537,11 +536,11 @@ class CheckpointManager:
                 "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
                 "streams, then nnx.update(rngs, restored.rng))."
             )
-        restored_state = self._read_tree(step, layout.STATE, info.state, state, None, partial)
+        restored_state = self._read_tree(step, _layout.STATE, info.state, state, None, partial)
         restored_rng = None
         if info.rng:
             restored_rng = self._read_tree(
-                step, layout.RNG, info.rng, rng, replicated_sharding(state), False
+                step, _layout.RNG, info.rng, rng, replicated_sharding(state), False
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
@@ -569,7 +568,7 @@ class CheckpointManager:
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
         specs = self._read_info(step).state
-        requests, _ = plan_restore(state, specs, item=layout.STATE, step=step, partial=partial)
+        requests, _ = plan_restore(state, specs, item=_layout.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
 
     def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
@@ -657,7 +656,7 @@ def _check_step(step: Any) -> int:
 
 def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
     """Snapshots the iterator's state now: as text to store, its kind, and what the
-    iterator is (`iterators.describe`, as JSON text)."""
+    iterator is (`_iterators.describe`, as JSON text)."""
     if data is None:
         return None, None, None
     if not callable(getattr(data, "get_state", None)):
@@ -666,7 +665,7 @@ def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
             f"DatasetIterator); got a {type(data).__name__}"
         )
     state = data.get_state()
-    about = json.dumps(iterators.describe(data, state))
+    about = json.dumps(_iterators.describe(data, state))
     if isinstance(state, bytes):  # grain's DataLoaderIterator: JSON text as bytes
         try:
             return state.decode("utf-8"), "bytes", about
@@ -692,7 +691,7 @@ def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxSto
     except (ValueError, RecursionError):
         raise CorruptCheckpointError(
             step,
-            [f"{layout.DATA}/: this process's data-iterator state is not JSON"],
+            [f"{_layout.DATA}/: this process's data-iterator state is not JSON"],
             str(store.directory),
         ) from None
     try:

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 import xxhash
 from etils import epath
 
-from jaxckpt import _layout as layout
+from jaxckpt import _layout
+from jaxckpt._storage import is_remote, open_inside
 from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
-from jaxckpt.storage import is_remote, open_inside
 
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
@@ -73,7 +73,7 @@ def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
 
 
 def _hashed(rel: str) -> bool:
-    return rel not in layout.ORBAX_COMMIT_FILES and rel != layout.MANIFEST_PATH
+    return rel not in _layout.ORBAX_COMMIT_FILES and rel != _layout.MANIFEST_PATH
 
 
 def unsafe_entries(step_dir: epath.Path) -> list[str]:
@@ -110,8 +110,8 @@ def write_manifest(step_dir: epath.Path) -> None:
         rel: {"size": size, HASH: digest} for rel, (size, digest) in zip(rels, digests, strict=True)
     }
     doc = {"format": 1, "hash": f"{HASH} (python-xxhash {xxhash.VERSION})", "files": files}
-    (step_dir / layout.META_DIR).mkdir(exist_ok=True)
-    (step_dir / layout.MANIFEST_PATH).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    (step_dir / _layout.META_DIR).mkdir(exist_ok=True)
+    (step_dir / _layout.MANIFEST_PATH).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
 Progress = Callable[[int, int, int], None]  # (step, bytes checked, bytes to check)
@@ -132,9 +132,9 @@ def verify_step(
     try:
         listed = _manifest(step_dir)
     except FileNotFoundError:
-        return StepReport(step, 0, 0, (f"{layout.MANIFEST_PATH} is missing",))
+        return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is missing",))
     except (OSError, ValueError) as e:
-        return StepReport(step, 0, 0, (f"{layout.MANIFEST_PATH} is unreadable: {e}",))
+        return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is unreadable: {e}",))
     problems, total = [], 0
     files, odd = _listing(step_dir)
     present = set(files)
@@ -172,7 +172,7 @@ def verify_step(
 
 def _manifest(step_dir: epath.Path) -> dict[str, dict]:
     """The manifest's `files`, each entry checked: ValueError naming the first bad field."""
-    with open_inside(step_dir, layout.MANIFEST_PATH) as f:
+    with open_inside(step_dir, _layout.MANIFEST_PATH) as f:
         text = f.read()
     try:
         doc = json.loads(text)

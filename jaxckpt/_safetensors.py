@@ -26,8 +26,8 @@ from typing import BinaryIO
 import ml_dtypes
 import numpy as np
 
+from jaxckpt._storage import file_kind, is_remote
 from jaxckpt.errors import FormatError, UnsupportedValueError
-from jaxckpt.storage import file_kind, is_remote
 
 MAX_HEADER = 100 * 1000 * 1000  # the limit safetensors itself enforces
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt._layout import LOCK_FILE
+from jaxckpt._storage import file_kind, gcs_blob, is_remote
 from jaxckpt.errors import LockedError
-from jaxckpt.storage import file_kind, gcs_blob, is_remote
 
 log = logging.getLogger("jaxckpt")
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxckpt.tree import ReadRequest
+from jaxckpt._tree import ReadRequest
 
 ProcessOf = Callable[[jax.Device], int]
 
