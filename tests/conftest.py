@@ -14,11 +14,6 @@ os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The event Orbax records (jax.monitoring) in its background save once a process's arrays
-# are written, before the barrier and the commit: tests that kill or freeze a writer hook it,
-# to hit that moment for sure rather than by timing.
-WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
-
 
 class Iterator:
     """A data iterator with JSON state, like grain's DatasetIterator."""
