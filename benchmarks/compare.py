@@ -34,6 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reliability import launch
+
 ROOT = Path(__file__).resolve().parent.parent
 HISTORY = "<!-- history: everything below is kept when compare.py rewrites this file -->"
 
@@ -79,8 +82,11 @@ EXPORTS = (
 def run_state(spec: dict, runs: int, platform_: str, **extra) -> dict:
     job = dict(spec, runs=runs, platform=platform_, slowdown_runs=2, **extra)
     with tempfile.TemporaryDirectory(prefix="jaxckpt-bench-", dir=os.environ.get("BENCH_DIR")) as w:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("worker.py")), json.dumps(job), w],
+        proc = launch.run(
+            "-m",
+            "benchmarks.worker",
+            json.dumps(job),
+            w,
             stdout=subprocess.PIPE,  # the worker's progress goes to stderr, shown as it runs
             text=True,
             timeout=3600,

@@ -19,80 +19,31 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
-SHAPE = (2048, 4096)  # 32 MiB of float32 a leaf; --leaves 4 per group, two groups: 256 MiB
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reliability import launch
+
 REPO = Path(__file__).resolve().parent.parent
 
-WORKER = textwrap.dedent(
-    """
-    import json, os, resource, sys
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxckpt
-
-    mode, directory, partial, inflight = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
-    leaves = int(sys.argv[5])
-    inflight = None if inflight == "auto" else int(inflight)
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    leaf = jax.ShapeDtypeStruct({shape}, jnp.float32)
-    abstract = {{g: {{f"w{{i}}": leaf for i in range(leaves)}} for g in ("params", "opt")}}
-
-    def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    if mode == "save":
-        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
-        sharding = NamedSharding(mesh, P("data", "model"))
-        make = jax.jit(lambda k: jax.random.normal(k, {shape}), out_shardings=sharding)
-        keys = iter(range(100))
-        state = jax.tree.map(lambda _: make(jax.random.key(next(keys))), abstract)
-        with jaxckpt.CheckpointManager(directory) as m:
-            m.save(1, state=state)
-        print("RESULT {{}}")
-    else:
-        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
-        if partial:
-            abstract = {{"params": abstract["params"]}}
-        target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
-        m = jaxckpt.CheckpointManager(directory, read_only=True, restore_inflight_bytes=inflight)
-        plan = m.plan(state=target, partial=partial).processes[0]
-        base = rss()
-        restored = m.restore(state=target, partial=partial)
-        jax.block_until_ready(restored.state)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print("RESULT " + json.dumps({{
-            "peak_above": peak - base, "read": plan.read_bytes, "held": plan.device_bytes,
-            "plan_peak": plan.peak_host_bytes,
-        }}))
-    """
-).format(shape=SHAPE)
+SHAPE = (2048, 4096)  # 32 MiB of float32 a leaf; --leaves 4 per group, two groups: 256 MiB
 
 
 def run(mode: str, directory: Path, leaves: int, partial=False, inflight="auto") -> dict:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            WORKER,
-            mode,
-            str(directory),
-            str(int(partial)),
-            inflight,
-            str(leaves),
-        ],
+    proc = launch.run(
+        "-m",
+        "benchmarks.plan_memory_worker",
+        mode,
+        directory,
+        int(partial),
+        inflight,
+        leaves,
+        *SHAPE,
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -28,66 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reliability import launch
 
 LEAVES, SHAPE = 16, (4096, 4096)  # 16 x 64 MiB of float32 = 1 GiB
 STATE_BYTES = LEAVES * SHAPE[0] * SHAPE[1] * 4
-
-WORKER = textwrap.dedent(
-    """
-    import json, os, resource, sys, time
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", {devices})
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if {processes} > 1:
-        jax.distributed.initialize("127.0.0.1:{port}", num_processes={processes},
-                                   process_id={process_id}, initialization_timeout=60)
-    import jax.numpy as jnp
-    import tensorstore as ts
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxckpt
-
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    abstract = {{f"w{{i}}": jax.ShapeDtypeStruct({shape}, jnp.float32) for i in range({leaves})}}
-
-    def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def decoded():
-        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
-            if m["name"].endswith("bytes_read"):
-                return m["values"][0]["value"]
-        return 0
-
-    if "{mode}" == "save":
-        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
-        sharding = NamedSharding(mesh, P("data", "model"))
-        make = jax.jit(lambda k: jax.random.normal(k, {shape}), out_shardings=sharding)
-        state = {{name: make(jax.random.key(i)) for i, name in enumerate(abstract)}}
-        with jaxckpt.CheckpointManager("{directory}") as m:
-            m.save(1, state=state)
-        print("RESULT {{}}")
-    else:
-        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
-        target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
-        m = jaxckpt.CheckpointManager(
-            "{directory}", read_only=True, verify_on_restore={verify},
-            restore_inflight_bytes={inflight},
-        )
-        plan = m.plan(state=target).processes[jax.process_index()]
-        base, before, t0 = rss(), decoded(), time.perf_counter()
-        restored = m.restore(state=target)
-        jax.block_until_ready(restored.state)
-        seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print("RESULT " + json.dumps({{
-            "peak_above": peak - base, "decoded": decoded() - before, "seconds": seconds,
-            "plan_read": plan.read_bytes, "plan_peak": plan.peak_host_bytes,
-        }}))
-    """
-)
 
 
 def free_port() -> int:
@@ -106,23 +53,19 @@ def run(
 ) -> list[dict]:
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                WORKER.format(
-                    mode=mode,
-                    directory=directory,
-                    processes=processes,
-                    process_id=i,
-                    devices=devices,
-                    port=port,
-                    shape=SHAPE,
-                    leaves=LEAVES,
-                    verify=verify,
-                    inflight=inflight,
-                ),
-            ],
+        launch.start(
+            "-m",
+            "benchmarks.restore_memory_worker",
+            mode,
+            directory,
+            processes,
+            i,
+            devices,
+            port,
+            LEAVES,
+            *SHAPE,
+            int(verify),
+            "auto" if inflight is None else inflight,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

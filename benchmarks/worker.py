@@ -1,6 +1,6 @@
 """One benchmark state in one fresh process; `compare.py` starts it and reads its JSON.
 
-    python benchmarks/worker.py SPEC_JSON WORK_DIR
+    python -m benchmarks.worker SPEC_JSON WORK_DIR
 
 Every contender saves and restores the same state, alternating, one warm-up round (its
 numbers are kept apart as the first save), then `runs` timed rounds.

@@ -12,40 +12,15 @@ import contextlib
 import random
 import signal
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from reliability.stress import REPO, check, expected, start_writers
+from reliability import launch
+from reliability.stress import check, expected, start_writers
 
 LOCK = ".jaxckpt-writer.lock"
-
-# Saves step 1, then step 2 on a directory made immutable meanwhile (or interrupted with a
-# KeyboardInterrupt just after Orbax took the save), and leaves without catching anything,
-# like a training script would. It prints a marker just before the failing save.
-FAILING_SAVE = textwrap.dedent(
-    """
-    import subprocess, sys
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    import numpy as np
-    import jaxckpt
-
-    directory, how, timeout_s = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    m = jaxckpt.CheckpointManager(directory, timeout_s=timeout_s)
-    m.save(1, state={"x": np.arange(1024, dtype=np.float32)})
-    m.wait()
-    if how == "immutable":
-        subprocess.run(["chattr", "+i", directory], check=True)
-    print("saving", flush=True)
-    # A script that meets the failure dies of it: no close(), no cleanup of its own.
-    for step in range(2, 100_000):  # "interrupt": until the parent's Ctrl-C
-        m.save(step, state={"x": np.arange(2**16, dtype=np.float32) + step})
-    """
-)
 
 
 @contextlib.contextmanager
@@ -63,9 +38,12 @@ def exit_after_failed_save(how: str, seed: int = 0, timeout_s: int = 10) -> str 
     with tempfile.TemporaryDirectory(prefix="jaxckpt-exit-") as tmp:
         directory = Path(tmp) / "ckpt"
         with _immutable_cleared(directory):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", FAILING_SAVE, str(directory), how, str(timeout_s)],
-                cwd=REPO,
+            proc = launch.start(
+                "-m",
+                "reliability.failing_save",
+                directory,
+                how,
+                timeout_s,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

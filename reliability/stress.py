@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,34 +35,10 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-REPO = Path(__file__).resolve().parent.parent
+from reliability import launch
+
+REPO = launch.REPO
 N = 2 * 1024 * 1024  # 8 MiB of float32 per step: a save takes a noticeable while
-
-WRITER = textwrap.dedent(
-    """
-    import os, sys
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", int(sys.argv[4]))
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    directory, pid, nproc, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5], int(sys.argv[6])
-    if nproc > 1:
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                                   initialization_timeout=60, heartbeat_timeout_seconds=10)
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxckpt
-
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharding = NamedSharding(mesh, P("x"))
-    m = jaxckpt.CheckpointManager(directory, timeout_s=10, writer_lease_s=2)
-    start = (m.latest_step() or 0) + 1
-    for step in range(start, start + 10_000):
-        x = jax.make_array_from_callback((n,), sharding, lambda i: (np.arange(n, dtype=np.float32) + step)[i])
-        m.save(step, state={"x": x}, meta={"step": step})
-        print(step, flush=True)
-    """
-)
 
 
 def expected(step: int) -> np.ndarray:
@@ -87,21 +62,18 @@ def free_port() -> int:
 def start_writers(
     directory: str, processes: int, stderr: Any = subprocess.DEVNULL
 ) -> list[subprocess.Popen]:
+    """`processes` reliability.writer processes saving to `directory`, 8 devices in all."""
     port, devices = free_port(), 8 // processes
     return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                WRITER,
-                str(directory),
-                str(i),
-                str(processes),
-                str(devices),
-                str(port),
-                str(N),
-            ],
-            cwd=REPO,
+        launch.start(
+            "-m",
+            "reliability.writer",
+            directory,
+            i,
+            processes,
+            devices,
+            port,
+            N,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

@@ -1,25 +1,18 @@
 """Test set-up: 8 CPU devices, before anything touches a device."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 
-from reliability import gcs
+from reliability import gcs, launch
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
 
 REPO = Path(__file__).resolve().parent.parent
-
-# The event Orbax records (jax.monitoring) in its background save once a process's arrays
-# are written, before the barrier and the commit: tests that kill or freeze a writer hook it,
-# to hit that moment for sure rather than by timing.
-WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
 
 
 class Iterator:
@@ -70,17 +63,9 @@ def gcs_dir(gcs_bucket, request):
 
 
 def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):
-    """Runs a fresh Python process with the repo importable; output captured as text."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **kwargs.pop("env", {})}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
+    """Runs a fresh Python process (reliability.launch: in the repo, with it importable) to
+    its end; output captured as text."""
+    proc = launch.run(*args, timeout=timeout, capture_output=True, text=True, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{args} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

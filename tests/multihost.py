@@ -1,39 +1,20 @@
 """Runs real multi-process JAX jobs on this machine: N processes on 127.0.0.1, gloo, CPU.
 
-Each process executes PRELUDE (distributed initialisation with a bounded timeout) and then
-the test's body, with `PROCESS_ID`, `NUM_PROCESSES` and `ARGS` (a dict) defined. Every wait
-is bounded: a job that does not finish in time is killed and reported with its output.
+A job is a function of a `children` module, `def scenario(job) -> dict | None`: each process
+runs it in `children.job` (distributed initialisation with a bounded timeout first), with
+`job.process_id`, `job.num_processes` and `job.args` (a dict). Every wait is bounded: a job
+that does not finish in time is killed and reported with its output.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
-import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from conftest import REPO
-
-PRELUDE = """
-import json, os, sys
-import jax
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", {devices})
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-PROCESS_ID, NUM_PROCESSES = {process_id}, {num_processes}
-ARGS = json.loads({args!r})
-if NUM_PROCESSES > 1:
-    jax.distributed.initialize(
-        "127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=PROCESS_ID,
-        initialization_timeout=60, heartbeat_timeout_seconds=ARGS.get("heartbeat_s", 100),
-    )
-import numpy as np
-import jax.numpy as jnp
-import jaxckpt
-"""
+from reliability import launch
 
 
 def free_port() -> int:
@@ -49,7 +30,7 @@ class Result:
     stderr: str
 
     def report(self) -> dict:
-        """The JSON object the body printed on its last `RESULT ` line."""
+        """The JSON object the scenario returned (its process's last `RESULT ` line)."""
         lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, (
             f"no RESULT line (rc={self.returncode})\n{self.stdout[-2000:]}\n{self.stderr[-12000:]}"
@@ -58,7 +39,7 @@ class Result:
 
 
 def run_job(
-    body: str,
+    scenario: Callable,
     *,
     processes: int,
     devices: int,
@@ -67,30 +48,29 @@ def run_job(
     check: bool = True,
     while_running=None,
 ) -> list[Result]:
-    """Starts `processes` processes with `devices` CPU devices each; waits for all of them.
+    """Runs `scenario` in `processes` processes with `devices` CPU devices each; waits for
+    all of them.
 
     `while_running(popens)`, if given, is called once all have started (e.g. to signal one).
     """
     port = free_port()
-    procs = []
-    for i in range(processes):
-        code = PRELUDE.format(
-            devices=devices,
-            process_id=i,
-            num_processes=processes,
-            args=json.dumps(args or {}),
-            port=port,
-        ) + textwrap.dedent(body)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code],
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    where = (scenario.__module__, scenario.__name__)
+    procs = [
+        launch.start(
+            "-m",
+            "children.job",
+            *where,
+            i,
+            processes,
+            devices,
+            port,
+            json.dumps(args or {}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+        for i in range(processes)
+    ]
     results = []
     try:
         if while_running is not None:

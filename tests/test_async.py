@@ -9,43 +9,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
-from conftest import REPO, run_python
-
-PRELUDE = textwrap.dedent(
-    """
-    import json, os, resource, signal, sys
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
-    import numpy as np
-    import jaxckpt
-    """
-)
+from conftest import run_python
+from reliability import launch
 
 
 def test_save_returns_before_the_step_is_committed_and_after_the_device_copy(tmp_path):
     ckpt = tmp_path / "ckpt"
-    child = PRELUDE + textwrap.dedent(
-        f"""
-        m = jaxckpt.CheckpointManager({str(ckpt)!r})
-        x = jnp.arange(16 * 1024 * 1024, dtype=jnp.float32)  # 64 MiB: the write takes a while
-        m.save(1, state={{"x": x}})
-        x.delete()  # the device buffer is gone: save must already hold a host copy
-        os.kill(os.getpid(), signal.SIGSTOP)  # the parent looks at the directory now
-        m.wait()
-        print(json.dumps(m.all_steps()))
-        m.close()
-        """
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", child],
-        cwd=REPO,
+    proc = launch.start(
+        "-m",
+        "children.async_saves",
+        "stop_after_save",
+        ckpt,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -72,39 +50,7 @@ def test_save_returns_before_the_step_is_committed_and_after_the_device_copy(tmp
 
 def test_background_write_error_surfaces_at_the_next_wait_save_and_close(tmp_path):
     ckpt = tmp_path / "ckpt"
-    child = PRELUDE + textwrap.dedent(
-        f"""
-        # Files over 1 MiB fail with EFBIG, as on a full disk; ignore the signal, keep the error.
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-        small = {{"w": jnp.arange(16.0)}}
-        big = {{"w": jax.random.normal(jax.random.key(0), (1024, 1024))}}  # 4 MiB, incompressible
-        report = {{}}
-
-        def attempt(name, fn):
-            try:
-                fn()
-                report[name] = None
-            except jaxckpt.errors.SaveError as e:
-                report[name] = str(e)
-
-        m = jaxckpt.CheckpointManager({str(ckpt)!r})
-        m.save(1, state=small)
-        m.wait()
-        m.save(2, state=big)                      # returns: the failure happens later
-        report["visible_after_save"] = m.all_steps()
-        attempt("wait", m.wait)
-        attempt("wait_again", m.wait)             # raised once, not forever
-        m.save(3, state=big)
-        attempt("save", lambda: m.save(4, state=small))
-        m.save(4, state=small)                    # the manager keeps working
-        m.save(5, state=big)
-        attempt("close", m.close)
-        report["steps"] = jaxckpt.CheckpointManager({str(ckpt)!r}).all_steps()
-        print(json.dumps(report))
-        """
-    )
-    proc = run_python("-c", child, timeout=180)
+    proc = run_python("-m", "children.async_saves", "write_errors", str(ckpt), timeout=180)
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["visible_after_save"] == [1]
     for name, step in [("wait", 2), ("save", 3), ("close", 5)]:

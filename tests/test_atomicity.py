@@ -9,44 +9,15 @@ were saved for it.
 
 import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from conftest import REPO, WRITES_DONE_EVENT
+from reliability import launch
 from reliability.stress import N, Tally, check, kill_trial
-
-FREEZER = textwrap.dedent(
-    """
-    import os, signal, sys
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
-    import jaxckpt
-
-    directory, n, writes_done = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    m = jaxckpt.CheckpointManager(directory)
-    m.save(1, state={"x": jnp.arange(n, dtype=jnp.float32) + 1}, meta={"step": 1})
-    m.wait()
-
-    def freeze(event, duration, **kwargs):
-        if event == writes_done:  # step 2's arrays are written, its commit not yet made
-            os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us now
-
-    jax.monitoring.register_event_duration_secs_listener(freeze)
-    m.save(2, state={"x": jnp.arange(n, dtype=jnp.float32) + 2}, meta={"step": 2})
-    m.wait()
-    """
-)
 
 
 def test_kill_while_a_save_is_in_flight(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FREEZER, str(tmp_path), str(N), WRITES_DONE_EVENT],
-        cwd=REPO,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = launch.start("-m", "children.freezer", tmp_path, N, stderr=subprocess.DEVNULL)
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status)

@@ -315,51 +315,14 @@ def test_rm_deletes_a_step_as_the_writer(ckpt, tmp_path, mesh):
 
 # ------------------------------------------------------------------- Orbax's log noise
 
-QUIET_CHILD = """
-import logging, subprocess, sys
-import jax
-jax.config.update("jax_platforms", "cpu")
-import numpy as np
-import jaxckpt
-
-directory, writes_done, debug = sys.argv[1], sys.argv[2], sys.argv[3] == "debug"
-if debug:
-    logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s", force=True)
-    logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)
-with jaxckpt.CheckpointManager(directory) as m:
-    m.save(1, state={"x": np.arange(1024, dtype=np.float32)})
-reader = jaxckpt.CheckpointManager(directory, read_only=True)
-assert reader.restore().step == 1
-reader.close()
-
-m = jaxckpt.CheckpointManager(directory)
-tmp = f"{directory}/2.orbax-checkpoint-tmp"
-
-def immutable(event, duration, **kwargs):
-    if event == writes_done:  # step 2's arrays are written: its commit fails in the background
-        subprocess.run(["chattr", "+i", tmp], check=True)
-
-jax.monitoring.register_event_duration_secs_listener(immutable)
-try:
-    m.save(2, state={"x": np.arange(1024, dtype=np.float32)})
-    m.wait()
-except jaxckpt.errors.SaveError as e:
-    print(f"caught: {e}", file=sys.stderr)
-finally:
-    subprocess.run(["chattr", "-i", tmp], check=False)
-m.close()
-"""
-
 
 @pytest.mark.parametrize("log", ["default", "debug"])
 def test_orbax_warnings_and_thread_tracebacks_go_to_the_debug_log(tmp_path, log):
     """A read-only manager and a save failing in the background print jaxckpt's one
     message: absl's warnings and Orbax's per-thread tracebacks only in the debug log."""
-    from conftest import WRITES_DONE_EVENT
-
     directory = tmp_path / "ckpt"
     try:
-        proc = run_python("-c", QUIET_CHILD, str(directory), WRITES_DONE_EVENT, log)
+        proc = run_python("-m", "children.orbax_noise", str(directory), log)
     finally:
         if (directory / "2.orbax-checkpoint-tmp").exists():
             subprocess.run(["chattr", "-i", str(directory / "2.orbax-checkpoint-tmp")])

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import _orbax, cli
 from jaxckpt._lock import ObjectLease
+from reliability import launch
 from reliability.stress import Tally, kill_trial
 
 
@@ -119,27 +119,8 @@ def test_a_delete_left_unfinished_on_gcs_is_finished_by_the_next_writer(gcs_dir)
     assert sorted(p.name for p in root.iterdir()) == ["2"]
 
 
-FREEZER = """
-import os, signal, sys
-import jax
-jax.config.update("jax_platforms", "cpu")
-import jax.numpy as jnp
-import jaxckpt
-
-from etils import epath
-
-m = jaxckpt.CheckpointManager(sys.argv[1], writer_lease_s=2)
-m.save(1, state={"x": jnp.arange(1 << 20, dtype=jnp.float32) + 1})
-m.wait()
-m.save(2, state={"x": jnp.arange(1 << 24, dtype=jnp.float32) + 2})  # 64 MiB: takes a while
-while not (epath.Path(sys.argv[1]) / "2").exists():  # until its first objects are written
-    pass
-os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-save: the parent kills us now
-"""
-
-
 def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog, monkeypatch):
-    proc = subprocess.Popen([sys.executable, "-c", FREEZER, gcs_dir], stderr=subprocess.DEVNULL)
+    proc = launch.start("-m", "children.gcs_freezer", gcs_dir, stderr=subprocess.DEVNULL)
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status)
@@ -332,31 +313,11 @@ def test_writers_racing_for_a_gcs_lease_get_exactly_one(gcs_dir):
             lease.release()
 
 
-HOLDER = """
-import sys
-import jax
-jax.config.update("jax_platforms", "cpu")
-import numpy as np
-import jaxckpt
-
-m = jaxckpt.CheckpointManager(sys.argv[1], writer_lease_s=2)
-m.save(1, state={"x": np.ones(100, np.float32)})
-m.wait()
-print("holding", flush=True)
-sys.stdin.readline()  # the parent freezes us (SIGSTOP) here, then lets us go on
-try:
-    m.save(2, state={"x": np.ones(100, np.float32)})
-    m.wait()
-    print("saved", flush=True)
-except jaxckpt.errors.LockedError as e:
-    print("refused:", e, flush=True)
-m.close()
-"""
-
-
 def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, gcs_dir],
+    holder = launch.start(
+        "-m",
+        "children.gcs_holder",
+        gcs_dir,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -377,37 +377,12 @@ def test_llama_map_round_trips_through_a_stacked_tree(mesh, tmp_path):
     np.testing.assert_array_equal(hf_logits(again), hf_logits(hf))
 
 
-LIVE = """
-from jax.sharding import NamedSharding, PartitionSpec as P
-rng = np.random.default_rng(0)
-W = rng.standard_normal((8, 6), dtype=np.float32)
-S = rng.standard_normal((3, 4, 6), dtype=np.float32)
-mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-def put(x, spec):
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
-
-state = {
-    "w": put(W, P("data", "model")),
-    "col": put(W, P(None, "model")),
-    "rep": put(W, P()),
-    "stack": put(S, P(None, "model", None)),
-    "n": np.arange(3),
-}
-names = {"rules": [
-    {"match": "^stack$", "name": "layers.{i}.w", "split": 0, "transpose": [1, 0]},
-    {"match": "^(w|col|rep|n)$", "name": r"\\1"},
-]}
-result = jaxckpt.save_safetensors(state, ARGS["out"], names=names, max_shard_size="300B")
-print("RESULT " + json.dumps({"files": list(result.files)}))
-"""
-
-
 def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
+    from children import live_export
     from multihost import run_job
 
     out = tmp_path / "hf"
-    results = run_job(LIVE, processes=2, devices=4, args={"out": str(out)})
+    results = run_job(live_export.save_sharded, processes=2, devices=4, args={"out": str(out)})
     files = results[0].report()["files"]
     assert len(files) > 1 and results[1].report()["files"] == files
     tensors = {}

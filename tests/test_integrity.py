@@ -4,14 +4,12 @@ import json
 import logging
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import jaxckpt
-from conftest import REPO, Iterator, run_python
+from conftest import Iterator, run_python
 from jaxckpt import errors
 from reliability.faults import CORRUPTIONS, flip_byte
 
@@ -98,7 +96,7 @@ def test_one_writer_per_directory(two_steps):
 
 def test_a_dead_writers_lock_is_taken_over(two_steps, caplog):
     code = f"import jaxckpt, os, signal; m = jaxckpt.CheckpointManager({str(two_steps)!r}); os.kill(os.getpid(), signal.SIGKILL)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120, capture_output=True)
+    proc = run_python("-c", code, timeout=120, check=False)
     assert proc.returncode == -signal.SIGKILL
     assert '"pid"' in (two_steps / ".jaxckpt-writer.lock").read_text()  # the dead holder's note
     with (

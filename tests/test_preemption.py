@@ -4,18 +4,17 @@ import os
 import queue
 import signal
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
+from children import preempted_loop
 from multihost import run_job
 
 import jaxckpt
-from conftest import REPO, WRITES_DONE_EVENT
 from jaxckpt import errors
+from reliability import launch
 
 
 def test_callback_notice_saves_the_next_step_once(ckpt_dir):
@@ -71,49 +70,6 @@ def test_a_second_signal_that_was_ignored_stays_ignored(ckpt_dir):
         signal.signal(signal.SIGUSR2, before)
 
 
-# A child blocked for good in a real restore (of 16 MiB, over and over) or wait (its writer
-# frozen at Orbax's write-done event); it echoes jaxckpt's log records and its markers to
-# stdout, written with os.write: atomic lines, safe from a signal handler and from two threads.
-BLOCKED = textwrap.dedent(
-    """
-    import logging, os, sys, threading
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    import numpy as np
-    import jaxckpt
-
-    def echo(text):
-        os.write(1, (text + "\\n").encode())
-
-    class Echo(logging.Handler):
-        def emit(self, record):
-            echo(record.getMessage())
-
-    logging.getLogger("jaxckpt").addHandler(Echo())
-    directory, blocked_in, writes_done = sys.argv[1:]
-    x = np.arange(4 * 2**20, dtype=np.float32)
-    m = jaxckpt.CheckpointManager(directory)
-    if blocked_in == "restore":
-        m.save(1, state={"x": x})
-        m.wait()
-        echo("BLOCKED")
-        while True:
-            m.restore(state={"x": np.zeros_like(x)})
-    else:
-        def freeze(event, duration, **kwargs):
-            if event == writes_done:  # in Orbax's background thread: it never goes on
-                echo("BLOCKED")
-                threading.Event().wait()
-
-        jax.monitoring.register_event_duration_secs_listener(freeze)
-        m.save(1, state={"x": x})
-        echo("WAITING")
-        m.wait()
-    """
-)
-
-
 def _expect(lines: queue.Queue, proc: subprocess.Popen, timeout: float, *texts: str) -> None:
     """Reads the child's stdout lines until each of `texts` was in one (bounded)."""
     deadline = time.monotonic() + timeout
@@ -140,10 +96,11 @@ def test_a_second_signal_ends_a_process_blocked_in_restore_or_wait(tmp_path, blo
     """The first SIGTERM is only a notice; a second one (or Ctrl-C) ends the process with
     the signal's own default action, though the main thread never leaves restore/wait."""
     with open(tmp_path / "stderr.txt", "w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", BLOCKED, str(tmp_path / "ckpt"), blocked_in, WRITES_DONE_EVENT],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+        proc = launch.start(  # children.blocked: blocked for good in a restore or wait
+            "-m",
+            "children.blocked",
+            tmp_path / "ckpt",
+            blocked_in,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -180,32 +137,6 @@ def test_bad_policy():
         jaxckpt.PreemptionPolicy(signals=("SIGTERM",))
 
 
-LOOP = """
-ready = os.path.join(ARGS["dir"], f"ready-{PROCESS_ID}")
-mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-w = jax.make_array_from_callback((64,), sharding, lambda i: np.arange(64.0, dtype=np.float32)[i])
-add = jax.jit(lambda w: w + 1)
-m = jaxckpt.CheckpointManager(ARGS["dir"], policy=jaxckpt.SavePolicy(every_steps=10_000))
-start = m.latest_step() or 0
-if start:
-    w = m.restore(state={"w": jaxckpt.target_like(w)}).state["w"]
-saved = None
-for step in range(start + 1, start + 3000):
-    w = add(w)  # a training step; it is a collective-free update on every device
-    if step == start + 5:
-        open(ready, "w").close()
-    time.sleep(0.01)  # the work of a real step
-    if m.should_save(step):
-        m.save(step, state={"w": w})
-        saved = step
-    if m.preempted:
-        break
-m.close()
-print("RESULT " + json.dumps({"saved": saved, "preempted": m.preempted, "start": start}))
-"""
-
-
 def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
     def preempt_process_1(procs):
         deadline = time.monotonic() + 120
@@ -216,9 +147,12 @@ def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
             time.sleep(0.05)
         procs[1].send_signal(signal.SIGTERM)
 
-    body = "import time\n" + LOOP
     results = run_job(
-        body, processes=2, devices=4, args={"dir": str(tmp_path)}, while_running=preempt_process_1
+        preempted_loop.train,
+        processes=2,
+        devices=4,
+        args={"dir": str(tmp_path), "steps": 3000},
+        while_running=preempt_process_1,
     )
     reports = [r.report() for r in results]
     assert all(r["preempted"] for r in reports)
@@ -228,7 +162,7 @@ def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
 
     # The restarted job resumes from that step, with its values.
     results = run_job(
-        body.replace("3000", "3"), processes=2, devices=4, args={"dir": str(tmp_path)}
+        preempted_loop.train, processes=2, devices=4, args={"dir": str(tmp_path), "steps": 3}
     )
     assert [r.report()["start"] for r in results] == [step, step]
     with jaxckpt.CheckpointManager(tmp_path) as m:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from children import shared_pipeline
 from click.testing import CliRunner
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -22,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from multihost import run_job
 
 import jaxckpt
-from conftest import WRITES_DONE_EVENT, run_python
-from jaxckpt import errors
+from conftest import run_python
+from jaxckpt import _orbax, errors
 from jaxckpt.cli import main
 
 
@@ -186,20 +187,16 @@ def test_relative_directories_work_everywhere(tmp_path, monkeypatch, mesh):
 def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir, caplog):
     lock = ckpt_dir / ".jaxckpt-writer.lock"
 
-    def lose_the_lock(event, duration, **kwargs):  # in the background, before the commit
-        if event == WRITES_DONE_EVENT:
-            lock.unlink(missing_ok=True)
+    def lose_the_lock():  # in the background, before the commit
+        lock.unlink(missing_ok=True)
 
-    jax.monitoring.register_event_duration_secs_listener(lose_the_lock)
-    try:
-        with (
-            pytest.raises(FloatingPointError, match=r"^loss is nan\n") as info,
-            jaxckpt.CheckpointManager(ckpt_dir) as m,
-        ):
-            m.save(1, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
-            raise FloatingPointError("loss is nan")  # the training loop's own error
-    finally:
-        jax.monitoring.unregister_event_duration_listener(lose_the_lock)
+    with (
+        _orbax.on_writes_done(lose_the_lock),
+        pytest.raises(FloatingPointError, match=r"^loss is nan\n") as info,
+        jaxckpt.CheckpointManager(ckpt_dir) as m,
+    ):
+        m.save(1, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
+        raise FloatingPointError("loss is nan")  # the training loop's own error
     (note,) = info.value.__notes__
     assert note.startswith(
         "jaxckpt: on leaving the with-block: SaveError: saving step 1 failed in the background"
@@ -210,15 +207,12 @@ def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir
     assert "FloatingPointError" in failed[0].getMessage()
 
     # Without an error in the body, the failed save is what the with-block raises.
-    jax.monitoring.register_event_duration_secs_listener(lose_the_lock)
-    try:
-        with (
-            pytest.raises(errors.SaveError, match="saving step 2 failed in the background"),
-            jaxckpt.CheckpointManager(ckpt_dir) as m,
-        ):
-            m.save(2, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
-    finally:
-        jax.monitoring.unregister_event_duration_listener(lose_the_lock)
+    with (
+        _orbax.on_writes_done(lose_the_lock),
+        pytest.raises(errors.SaveError, match="saving step 2 failed in the background"),
+        jaxckpt.CheckpointManager(ckpt_dir) as m,
+    ):
+        m.save(2, state={"w": on_mesh(jnp.ones((4, 8)), mesh)})
 
 
 # ---------------------------------------------------------------------- a NaN loss in meta
@@ -434,31 +428,12 @@ def test_each_process_checks_its_own_pipeline_and_all_agree(tmp_path):
     """Two processes, each reading its shard of the data (`ds[process::2]`): each checks
     its own iterator against its own record, and when one refuses, both do (no process
     waits in a read the other never joins)."""
-    body = """
-    import grain
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    def data(batch_size):
-        ds = grain.MapDataset.range(64)[PROCESS_ID::NUM_PROCESSES].batch(batch_size)
-        return iter(ds.to_iter_dataset())
-
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("data")), lambda i: np.ones(8)[i])
-    it = data(4)
-    next(it)
-    with jaxckpt.CheckpointManager(ARGS["dir"]) as m:
-        m.save(1, state={"x": x}, data=it)
-    report = {}
-    with jaxckpt.CheckpointManager(ARGS["dir"], read_only=True) as m:
-        report["resumed"] = next(m.restore(state={"x": x}, data=data(4)).data).tolist()
-        try:  # process 1 changed its batch size
-            m.restore(state={"x": x}, data=data(8 if PROCESS_ID == 1 else 4))
-            report["error"] = None
-        except jaxckpt.errors.DataStateError as e:
-            report["error"] = str(e)
-    print("RESULT " + json.dumps(report))
-    """
-    results = run_job(body, processes=2, devices=4, args={"dir": str(tmp_path / "ckpt")})
+    results = run_job(
+        shared_pipeline.save_then_restore_with_one_pipeline_changed,
+        processes=2,
+        devices=4,
+        args={"dir": str(tmp_path / "ckpt")},
+    )
     first, second = (r.report() for r in results)
     assert first["resumed"] == [8, 10, 12, 14] and second["resumed"] == [9, 11, 13, 15]
     assert first["error"].startswith("process(es) [1] refused their data iterator for step 1")

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts (`python benchmarks/compare.py`) and the workers they start."""

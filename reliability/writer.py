@@ -1,0 +1,44 @@
+"""A writer of `reliability.stress` trials: saves step after step (resuming after the latest)
+until it is killed, printing each step once `save` returned. Values are `expected(step)`.
+
+    python -m reliability.writer DIRECTORY PROCESS_ID NUM_PROCESSES DEVICES PORT N
+"""
+
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+
+
+def main() -> None:
+    directory, pid, nproc, devices, port, n = sys.argv[1:]
+    pid, nproc, n = int(pid), int(nproc), int(n)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(devices))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if nproc > 1:
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=nproc,
+            process_id=pid,
+            initialization_timeout=60,
+            heartbeat_timeout_seconds=10,
+        )
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("x"))
+    m = jaxckpt.CheckpointManager(directory, timeout_s=10, writer_lease_s=2)
+    start = (m.latest_step() or 0) + 1
+    for step in range(start, start + 10_000):
+        x = jax.make_array_from_callback(
+            (n,), sharding, lambda i, step=step: (np.arange(n, dtype=np.float32) + step)[i]
+        )
+        m.save(step, state={"x": x}, meta={"step": step})
+        print(step, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""One process of a multi-process JAX job on this machine, as tests/multihost.py starts them:
+
+    python -m children.job MODULE FUNCTION PROCESS_ID NUM_PROCESSES DEVICES PORT ARGS_JSON
+
+Sets JAX up (CPU devices, gloo; with 2 processes or more, `jax.distributed` on 127.0.0.1
+with a bounded start-up), then calls MODULE.FUNCTION(job); the dict it returns, if any, is
+printed as this process's `RESULT <json>` line.
+"""
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+
+@dataclass(frozen=True)
+class Job:
+    process_id: int
+    num_processes: int
+    args: dict[str, Any]
+
+
+def main() -> None:
+    module, function, process_id, num_processes, devices, port, args = sys.argv[1:]
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(devices))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    job = Job(int(process_id), int(num_processes), json.loads(args))
+    if job.num_processes > 1:
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=job.num_processes,
+            process_id=job.process_id,
+            initialization_timeout=60,
+            heartbeat_timeout_seconds=job.args.get("heartbeat_s", 100),
+        )
+    report = getattr(importlib.import_module(module), function)(job)
+    if report is not None:
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The job of tests/test_preemption.py (run by children.job in every process): a training
+loop that saves only when `should_save` says so (a preemption notice), resuming from the
+latest step; `job.args["steps"]` steps at most."""
+
+import os
+import time
+
+import jax
+import numpy as np
+
+import jaxckpt
+from children.job import Job
+
+
+def train(job: Job) -> dict:
+    ready = os.path.join(job.args["dir"], f"ready-{job.process_id}")
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    w = jax.make_array_from_callback(
+        (64,), sharding, lambda i: np.arange(64.0, dtype=np.float32)[i]
+    )
+    add = jax.jit(lambda w: w + 1)
+    m = jaxckpt.CheckpointManager(job.args["dir"], policy=jaxckpt.SavePolicy(every_steps=10_000))
+    start = m.latest_step() or 0
+    if start:
+        w = m.restore(state={"w": jaxckpt.target_like(w)}).state["w"]
+    saved = None
+    for step in range(start + 1, start + job.args["steps"]):
+        w = add(w)  # a training step; it is a collective-free update on every device
+        if step == start + 5:
+            open(ready, "w").close()
+        time.sleep(0.01)  # the work of a real step
+        if m.should_save(step):
+            m.save(step, state={"w": w})
+            saved = step
+        if m.preempted:
+            break
+    m.close()
+    return {"saved": saved, "preempted": m.preempted, "start": start}
