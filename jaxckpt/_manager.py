@@ -611,6 +611,11 @@ class CheckpointManager:
             except Exception as late:
                 missing = sorted({*missing, *_orbax.missing_processes(late)})
         committed = self._store.committed_steps()
+        if self._lock is not None:
+            try:  # a writer that took over may have removed the step's files: the real cause
+                self._lock.check()
+            except LockedError as lost:
+                error = lost
         return SaveError(step, error, committed, background=background, missing=missing)
 
     def _check_open(self) -> None:

@@ -272,6 +272,26 @@ def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh, monkeypatch):
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
 
 
+def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, mesh, monkeypatch):
+    """A second writer took the directory over (the lock file was deleted) and removed the
+    first one's unfinished save as a leftover: that save's failure names the lost lock, the
+    cause, not the missing file it tripped on."""
+    a = jaxckpt.CheckpointManager(ckpt)
+    write_manifest = _integrity.write_manifest
+
+    def taken_over(step_dir):
+        (ckpt / ".jaxckpt-writer.lock").unlink()
+        shutil.rmtree(step_dir)  # as the next writer's start-up removes leftovers
+        write_manifest(step_dir)
+
+    monkeypatch.setattr(_integrity, "write_manifest", taken_over)
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.SaveError, match="LockedError: this job lost the writer lock"):
+        a.wait()
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
 def test_a_whole_directory_removed_under_a_writer(ckpt, mesh):
     a = jaxckpt.CheckpointManager(ckpt)
     shutil.rmtree(ckpt)
