@@ -183,8 +183,8 @@ class OrbaxStore:
         read_only: bool = False,
         lock: WriterLock | ObjectLease | None = None,
     ):
-        """`lock`: the writer's lock (held by process 0), checked before each save and
-        before each commit."""
+        """`lock`: the writer's lock (held by process 0), checked before each save, each
+        commit and each delete."""
         self.directory = epath.Path(absolute(directory))
         self._lock = lock
         self._saving: int | None = None
@@ -353,7 +353,10 @@ class OrbaxStore:
         background (off the save's blocking path). On process 0: on local disk the step
         folder is renamed to `<step>.jaxckpt-deleting` (which no listing reads); on object
         storage one `<step>.jaxckpt-tombstone` object is written, which hides the step until
-        its objects and then the tombstone are deleted."""
+        its objects and then the tombstone are deleted. A writer that lost its lock
+        deletes nothing (LockedError)."""
+        if self._lock is not None:
+            self._lock.check()
         if jax.process_index() == 0:
             if is_remote(self.directory):
                 (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")

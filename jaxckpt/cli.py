@@ -762,7 +762,7 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     if lock is not None:
         lock.acquire()
     try:
-        store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True)
+        store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True, lock=lock)
         try:
             listing = store.scan()
             listing.resolve(step)
@@ -774,8 +774,6 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
                     + (f"step {steps[-2]}" if len(steps) > 1 else "no step at all")
                     + ". Pass --force to delete it all the same."
                 )
-            if lock is not None:
-                lock.check()
             store.delete(step)
             left = store.committed_steps()
         finally:

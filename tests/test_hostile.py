@@ -292,6 +292,24 @@ def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, me
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
 
 
+def test_a_writer_that_lost_its_lock_after_a_commit_deletes_nothing(ckpt, mesh, monkeypatch):
+    """The lock goes after a step committed and before retention deletes the older ones: the
+    directory may be another writer's now, so nothing is deleted (LockedError)."""
+    a = jaxckpt.CheckpointManager(ckpt, retention=jaxckpt.RetentionPolicy(keep_last=1))
+    committed = a._store.wait
+
+    def then_lock_gone():
+        committed()
+        (ckpt / ".jaxckpt-writer.lock").unlink(missing_ok=True)
+
+    monkeypatch.setattr(a._store, "wait", then_lock_gone)
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.LockedError, match="lost the writer lock"):
+        a.wait()
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3]
+
+
 def test_a_whole_directory_removed_under_a_writer(ckpt, mesh):
     a = jaxckpt.CheckpointManager(ckpt)
     shutil.rmtree(ckpt)
