@@ -39,7 +39,6 @@ from examples.train import (
     make_mesh,
     state_of,
 )
-from jaxckpt._tree import leaf_name
 
 DATA_PARALLEL = tuple((name, None) for name, _ in Config.rules)  # every logical axis replicated
 
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leaves(tree) -> dict:
-    return {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {jaxckpt.leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _by_name(tree) -> dict[str, np.ndarray]:
