@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.tables import table
 from reliability import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,15 +106,6 @@ def cell(values: list[float] | None, digits: int = 3) -> str:
     if not values:
         return "-"
     return f"{med(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + " --- |" * len(header),
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-    ]
 
 
 def verdict(value: float, limit: float, at_most: bool) -> str:

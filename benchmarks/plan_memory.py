@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.tables import write_page
 from reliability import launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,29 +91,35 @@ def main() -> int:
 
     mib = 2**20
     group = args.leaves * SHAPE[0] * SHAPE[1] * 4
-    lines = [
-        "# `plan`'s peak host memory estimate against measured restores",
-        "",
+    about = (
         f"A {2 * group / mib:.0f} MiB state (params + opt, {args.leaves} leaves of "
         f"{group // args.leaves // mib} MiB each) saved from (4, 2), restored onto (2, 4) on 8 "
         f"CPU devices (their memory is host memory), each restore in a fresh process; medians "
-        f"of {args.repeat}. `python benchmarks/plan_memory.py --leaves {args.leaves}`. Machine: {os.cpu_count()} CPUs.",
-        "",
-        "| restore | read budget | bytes read | peak RSS above baseline | (min-max) | plan's estimate | estimate / measured |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"of {args.repeat}. `python benchmarks/plan_memory.py --leaves {args.leaves}`. Machine: {os.cpu_count()} CPUs."
+    )
+    header = [
+        "restore",
+        "read budget",
+        "bytes read",
+        "peak RSS above baseline",
+        "(min-max)",
+        "plan's estimate",
+        "estimate / measured",
     ]
-    for r in rows:
-        lo, hi = r["spread"]
-        lines.append(
-            f"| {r['restore']} | {r['budget']} | {r['read'] / mib:.0f} MiB | "
-            f"{r['peak'] / mib:.0f} MiB ({r['peak'] / r['read']:.2f}x read) | "
-            f"{lo / mib:.0f}-{hi / mib:.0f} MiB | {r['plan'] / mib:.0f} MiB "
-            f"({r['plan'] / r['read']:.2f}x read) | {r['plan'] / r['peak']:.2f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    cells = [
+        [
+            r["restore"],
+            r["budget"],
+            f"{r['read'] / mib:.0f} MiB",
+            f"{r['peak'] / mib:.0f} MiB ({r['peak'] / r['read']:.2f}x read)",
+            f"{r['spread'][0] / mib:.0f}-{r['spread'][1] / mib:.0f} MiB",
+            f"{r['plan'] / mib:.0f} MiB ({r['plan'] / r['read']:.2f}x read)",
+            f"{r['plan'] / r['peak']:.2f}",
+        ]
+        for r in rows
+    ]
+    heading = "`plan`'s peak host memory estimate against measured restores"
+    write_page(args.out, heading, about, header, cells)
     return 0
 
 

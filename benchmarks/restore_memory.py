@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.tables import write_page
 from reliability import launch
 
 LEAVES, SHAPE = 16, (4096, 4096)  # 16 x 64 MiB of float32 = 1 GiB
@@ -137,27 +138,36 @@ def main() -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
-    lines = [
-        "# Restore memory: 1 GiB state from a (4, 2) mesh onto a (2, 4) mesh",
-        "",
+    about = (
         f"Medians of {args.repeat} runs, each restore in a fresh process; ratios are to the state size "
         f"({STATE_BYTES / 2**30:.2f} GiB). `python benchmarks/restore_memory.py`. Machine: "
-        f"{os.cpu_count()} CPUs, CPU devices (their memory is host memory).",
-        "",
-        "| layout | process | peak RSS above baseline | (min-max) | bytes read | plan: read | plan: peak | restore time |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"{os.cpu_count()} CPUs, CPU devices (their memory is host memory)."
+    )
+    header = [
+        "layout",
+        "process",
+        "peak RSS above baseline",
+        "(min-max)",
+        "bytes read",
+        "plan: read",
+        "plan: peak",
+        "restore time",
     ]
-    for r in rows:
-        lo, hi = r["spread_peak"]
-        lines.append(
-            f"| {r['layout']} | {r['process']} | {r['peak_ratio']:.2f}x | {lo:.2f}-{hi:.2f}x | "
-            f"{r['read_ratio']:.2f}x | {r['plan_read_ratio']:.2f}x | {r['plan_peak_ratio']:.2f}x | "
-            f"{r['seconds']:.2f} s |"
-        )
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    cells = [
+        [
+            r["layout"],
+            str(r["process"]),
+            f"{r['peak_ratio']:.2f}x",
+            f"{r['spread_peak'][0]:.2f}-{r['spread_peak'][1]:.2f}x",
+            f"{r['read_ratio']:.2f}x",
+            f"{r['plan_read_ratio']:.2f}x",
+            f"{r['plan_peak_ratio']:.2f}x",
+            f"{r['seconds']:.2f} s",
+        ]
+        for r in rows
+    ]
+    heading = "Restore memory: 1 GiB state from a (4, 2) mesh onto a (2, 4) mesh"
+    write_page(args.out, heading, about, header, cells)
     return 0
 
 

@@ -22,7 +22,7 @@ def main() -> None:
     m.save(1, state={"x": np.arange(1024, dtype=np.float32)})
     m.wait()
     if how == "immutable":
-        subprocess.run(["chattr", "+i", directory], check=True)
+        subprocess.run(["chattr", "+i", directory], check=True, timeout=30)
     print("saving", flush=True)
     # A script that meets the failure dies of it: no close(), no cleanup of its own.
     for step in range(2, 100_000):  # "interrupt": until the parent's Ctrl-C

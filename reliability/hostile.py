@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from reliability import launch
-from reliability.stress import check, expected, start_writers
+from reliability.stress import FIRST_SAVE_S, check, expected, start_writers
 
 LOCK = ".jaxckpt-writer.lock"
 
@@ -28,7 +28,7 @@ def _immutable_cleared(directory: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        subprocess.run(["chattr", "-i", str(directory)], check=False)
+        subprocess.run(["chattr", "-i", str(directory)], check=False, timeout=30)
 
 
 def exit_after_failed_save(how: str, seed: int = 0, timeout_s: int = 10) -> str | None:
@@ -49,10 +49,16 @@ def exit_after_failed_save(how: str, seed: int = 0, timeout_s: int = 10) -> str 
                 text=True,
             )
             try:
-                if proc.stdout.readline().strip() != "saving":
-                    return (
-                        f"{how}: the writer failed before the save: {proc.communicate()[1][-500:]}"
-                    )
+                try:
+                    first = launch.readline(proc, timeout=FIRST_SAVE_S).strip()
+                except TimeoutError as e:
+                    return f"{how}: {e}"
+                if first != "saving":
+                    try:
+                        _, err = proc.communicate(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        return f"{how}: the writer printed {first!r}, not 'saving', and ran on"
+                    return f"{how}: the writer failed before the save: {err[-500:]}"
                 if how == "interrupt":
                     time.sleep(random.Random(seed).uniform(0.0, 0.5))  # seeded moment
                     proc.send_signal(signal.SIGINT)
@@ -110,7 +116,7 @@ def lock_deletion_trial(seed: int) -> str | None:
         with log.open("w") as stderr:  # a file: a pipe nobody reads could stall the writer
             (writer,) = start_writers(str(directory), 1, stderr=stderr)
         try:
-            first = writer.stdout.readline().strip()
+            first = launch.readline(writer, timeout=FIRST_SAVE_S).strip()
             if first != "1":
                 return f"the writer did not start: {first!r}"
             time.sleep(rng.uniform(0.0, 1.5))  # the moment: seeded, not a wait for a result

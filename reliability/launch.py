@@ -4,8 +4,12 @@ all one way: this interpreter, the repo as working directory, and the repo's cod
 
     launch.start("-m", "children.freezer", directory, stderr=subprocess.DEVNULL)  # a Popen
     launch.run("-m", "jaxckpt", "verify", directory, timeout=120)  # waited for, bounded
+    launch.readline(proc, timeout=120)  # its next stdout line, or TimeoutError
+    launch.wait_stopped(proc, timeout=120)  # os.waitpid(WUNTRACED), or TimeoutError
 
-A child is a real module run with `-m` (so ruff reads it), not code in a string.
+A child is a real module run with `-m` (so ruff reads it), not code in a string. Every wait
+on one is bounded: a child that hangs fails its test or trial, naming what it never did,
+instead of blocking the parent (and CI) for ever.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,3 +49,51 @@ def run(
     return subprocess.run(
         command, timeout=timeout, **{"cwd": REPO, "env": environment(env), **kwargs}
     )
+
+
+def describe(proc: subprocess.Popen) -> str:
+    """`proc` for an error message: its arguments after the interpreter, pid and state."""
+    args = proc.args[1:] if isinstance(proc.args, list | tuple) else [proc.args]
+    code = proc.poll()
+    state = "still running" if code is None else f"exited {code}"
+    return f"the child `{' '.join(map(str, args))}` (pid {proc.pid}, {state})"
+
+
+def readline(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line of `proc`'s stdout (a pipe), "" once the child closed it, like
+    `proc.stdout.readline()`; TimeoutError, naming the child, when no whole line came
+    within `timeout` seconds. The read is `proc.stdout.readline()` itself, in a daemon
+    thread: the same buffering as calling it directly. After a TimeoutError that thread
+    still reads: kill the child (its pipe closes, the thread ends) rather than read on."""
+    got: list = []
+
+    def read() -> None:
+        try:
+            got.append(proc.stdout.readline())
+        except BaseException as e:  # raised in the waiting thread instead
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise TimeoutError(f"{describe(proc)} printed no line in {timeout:.0f} s")
+    (line,) = got
+    if isinstance(line, BaseException):
+        raise line
+    return line
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float) -> int:
+    """`os.waitpid(proc.pid, os.WUNTRACED)`, bounded: the wait status once the child stopped
+    (e.g. it sent itself SIGSTOP) or exited; TimeoutError, naming the child, when it did
+    neither within `timeout` seconds. Polls with WNOHANG, so a child that never stops
+    cannot block the caller."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid:
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{describe(proc)} neither stopped nor exited in {timeout:.0f} s")
+        time.sleep(0.05)

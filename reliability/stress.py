@@ -39,6 +39,7 @@ from reliability import launch
 
 REPO = launch.REPO
 N = 2 * 1024 * 1024  # 8 MiB of float32 per step: a save takes a noticeable while
+FIRST_SAVE_S = 240  # a writer's start-up (jax, gloo, the lock) and first save, bounded
 
 
 def expected(step: int) -> np.ndarray:
@@ -128,9 +129,10 @@ def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = Non
         procs = start_writers(directory, processes)
         victim = rng.randrange(processes)
         try:
-            first = ""
+            first, deadline = "", time.monotonic() + FIRST_SAVE_S
             while not first.isdigit():  # one save started and returned (skip gloo's chatter)
-                line = procs[victim].stdout.readline()
+                remaining = max(0.0, deadline - time.monotonic())
+                line = launch.readline(procs[victim], timeout=remaining)
                 assert line, "the writer exited before its first save"
                 first = line.strip()
             assert first == "1", f"the writer started at step {first}"
@@ -141,11 +143,11 @@ def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = Non
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-                    p.wait()
+                    p.wait(timeout=30)
             steps, leftover = check(directory)
             tally.visible.append(len(steps))
             tally.leftovers += leftover
-        except AssertionError as e:
+        except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
             tally.failures.append(f"seed {seed}: {e}")
         finally:
             for p in procs:

@@ -29,7 +29,7 @@ def test_save_returns_before_the_step_is_committed_and_after_the_device_copy(tmp
         text=True,
     )
     try:
-        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        status = launch.wait_stopped(proc, timeout=180)
         assert os.WIFSTOPPED(status), "the child should have stopped itself after save returned"
         assert not (ckpt / "1").exists(), "save returned after the step was committed"
         proc.send_signal(signal.SIGCONT)

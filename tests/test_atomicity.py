@@ -19,7 +19,7 @@ from reliability.stress import N, Tally, check, kill_trial
 def test_kill_while_a_save_is_in_flight(tmp_path):
     proc = launch.start("-m", "children.freezer", tmp_path, N, stderr=subprocess.DEVNULL)
     try:
-        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        status = launch.wait_stopped(proc, timeout=180)
         assert os.WIFSTOPPED(status)
         proc.kill()
         proc.wait(timeout=30)

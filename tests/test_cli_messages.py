@@ -325,7 +325,7 @@ def test_orbax_warnings_and_thread_tracebacks_go_to_the_debug_log(tmp_path, log)
         proc = run_python("-m", "children.orbax_noise", str(directory), log)
     finally:
         if (directory / "2.orbax-checkpoint-tmp").exists():
-            subprocess.run(["chattr", "-i", str(directory / "2.orbax-checkpoint-tmp")])
+            subprocess.run(["chattr", "-i", str(directory / "2.orbax-checkpoint-tmp")], timeout=30)
     lines = proc.stderr.splitlines()
     caught = [line for line in lines if line.startswith("caught: saving step 2 failed")]
     assert len(caught) == 1 and "Step 2 was not committed" in caught[0], proc.stderr

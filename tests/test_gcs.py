@@ -122,7 +122,7 @@ def test_a_delete_left_unfinished_on_gcs_is_finished_by_the_next_writer(gcs_dir)
 def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog, monkeypatch):
     proc = launch.start("-m", "children.gcs_freezer", gcs_dir, stderr=subprocess.DEVNULL)
     try:
-        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        status = launch.wait_stopped(proc, timeout=180)
         assert os.WIFSTOPPED(status)
     finally:
         proc.kill()
@@ -324,7 +324,7 @@ def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
         text=True,
     )
     try:
-        assert holder.stdout.readline() == "holding\n"
+        assert launch.readline(holder, timeout=180) == "holding\n"
         holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
         with jaxckpt.CheckpointManager(gcs_dir) as m:  # waits for the term, then takes over
             m.save(3, state={"x": np.zeros(100, np.float32)})

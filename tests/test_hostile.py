@@ -588,7 +588,7 @@ def test_a_leftover_that_cannot_be_removed_does_not_stop_saves(ckpt, mesh, caplo
     leftover = ckpt / "3.orbax-checkpoint-tmp"
     leftover.mkdir()
     (leftover / "stuck").write_text("x")
-    subprocess.run(["chattr", "+i", str(leftover / "stuck")], check=True)
+    subprocess.run(["chattr", "+i", str(leftover / "stuck")], check=True, timeout=30)
     try:
         with jaxckpt.CheckpointManager(ckpt) as m:
             m.save(4, state=state_at(mesh, 4))
@@ -596,7 +596,7 @@ def test_a_leftover_that_cannot_be_removed_does_not_stop_saves(ckpt, mesh, caplo
         assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 4, 5]
         assert "could not remove an unfinished save's leftovers" in caplog.text
     finally:
-        subprocess.run(["chattr", "-i", str(leftover / "stuck")], check=True)
+        subprocess.run(["chattr", "-i", str(leftover / "stuck")], check=True, timeout=30)
 
 
 def test_reading_a_directory_that_is_not_there(tmp_path):

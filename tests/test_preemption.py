@@ -83,7 +83,8 @@ def _expect(lines: queue.Queue, proc: subprocess.Popen, timeout: float, *texts: 
                 f"it wrote {seen}"
             ) from None
         if line is None:
-            raise AssertionError(f"the child exited {proc.wait()} before {sorted(missing)}: {seen}")
+            code = proc.wait(timeout=30)  # its stdout closed: it is exiting
+            raise AssertionError(f"the child exited {code} before {sorted(missing)}: {seen}")
         seen.append(line.rstrip())
         missing = {text for text in missing if text not in line}
 
@@ -129,7 +130,7 @@ def test_a_second_signal_ends_a_process_blocked_in_restore_or_wait(tmp_path, blo
             assert code == -second, stderr.read()[-4000:]
         finally:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
 
 
 def test_bad_policy():

@@ -33,7 +33,7 @@ def main() -> None:
     tmp = f"{directory}/2.orbax-checkpoint-tmp"
 
     def immutable():  # step 2's arrays are written: its commit fails in the background
-        subprocess.run(["chattr", "+i", tmp], check=True)
+        subprocess.run(["chattr", "+i", tmp], check=True, timeout=30)
 
     try:
         with _orbax.on_writes_done(immutable):
@@ -42,7 +42,7 @@ def main() -> None:
     except jaxckpt.errors.SaveError as e:
         print(f"caught: {e}", file=sys.stderr)
     finally:
-        subprocess.run(["chattr", "-i", tmp], check=False)
+        subprocess.run(["chattr", "-i", tmp], check=False, timeout=30)
     m.close()
 
 
