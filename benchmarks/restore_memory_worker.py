@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from reliability import launch
 
 
 def rss():
@@ -37,16 +38,7 @@ def main() -> None:
         sys.argv[1:]
     )
     processes, leaves, shape = int(processes), int(leaves), (int(rows), int(cols))
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", int(devices))
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if processes > 1:
-        jax.distributed.initialize(
-            f"127.0.0.1:{port}",
-            num_processes=processes,
-            process_id=int(process_id),
-            initialization_timeout=60,
-        )
+    launch.join_job(devices, processes, int(process_id), port)
     auto = (jax.sharding.AxisType.Auto,) * 2
     abstract = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(leaves)}
     if mode == "save":

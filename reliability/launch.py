@@ -97,3 +97,22 @@ def wait_stopped(proc: subprocess.Popen, timeout: float) -> int:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{describe(proc)} neither stopped nor exited in {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def join_job(devices: int, processes: int, process_id: int, port: int | str, **options: Any):
+    """In a child, before JAX is used: CPU devices, gloo collectives and, for several
+    processes, `jax.distributed` on 127.0.0.1 (`options`, e.g. heartbeat_timeout_seconds,
+    pass through)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(devices))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if processes > 1:
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=processes,
+            process_id=process_id,
+            initialization_timeout=60,
+            **options,
+        )

@@ -12,22 +12,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from reliability import launch
 
 
 def main() -> None:
     directory, pid, nproc, devices, port, n = sys.argv[1:]
     pid, nproc, n = int(pid), int(nproc), int(n)
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", int(devices))
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if nproc > 1:
-        jax.distributed.initialize(
-            f"127.0.0.1:{port}",
-            num_processes=nproc,
-            process_id=pid,
-            initialization_timeout=60,
-            heartbeat_timeout_seconds=10,
-        )
+    launch.join_job(devices, nproc, pid, port, heartbeat_timeout_seconds=10)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("x"))
     m = jaxckpt.CheckpointManager(directory, timeout_s=10, writer_lease_s=2)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import jax
+from reliability import launch
 
 
 @dataclass(frozen=True)
@@ -25,18 +25,11 @@ class Job:
 
 def main() -> None:
     module, function, process_id, num_processes, devices, port, args = sys.argv[1:]
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", int(devices))
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     job = Job(int(process_id), int(num_processes), json.loads(args))
-    if job.num_processes > 1:
-        jax.distributed.initialize(
-            f"127.0.0.1:{port}",
-            num_processes=job.num_processes,
-            process_id=job.process_id,
-            initialization_timeout=60,
-            heartbeat_timeout_seconds=job.args.get("heartbeat_s", 100),
-        )
+    heartbeat = job.args.get("heartbeat_s", 100)
+    launch.join_job(
+        devices, job.num_processes, job.process_id, port, heartbeat_timeout_seconds=heartbeat
+    )
     report = getattr(importlib.import_module(module), function)(job)
     if report is not None:
         print("RESULT " + json.dumps(report), flush=True)
