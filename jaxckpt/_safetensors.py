@@ -51,15 +51,6 @@ DTYPES: dict[str, np.dtype] = {
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
-def dtype_code(dtype: np.dtype, what: str) -> str:
-    try:
-        return CODES[np.dtype(dtype)]
-    except KeyError:
-        raise UnsupportedValueError(
-            f"{what} has dtype {dtype}, which safetensors cannot store"
-        ) from None
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -96,9 +87,13 @@ def encode_header(
         header["__metadata__"] = dict(metadata)
     offset, offsets = 0, {}
     for name, dtype, shape in tensors:
+        if np.dtype(dtype) not in CODES:
+            raise UnsupportedValueError(
+                f"tensor {name!r} has dtype {dtype}, which safetensors cannot store"
+            )
         size = nbytes(dtype, shape)
         header[name] = {
-            "dtype": dtype_code(dtype, f"tensor {name!r}"),
+            "dtype": CODES[np.dtype(dtype)],
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
@@ -441,10 +436,7 @@ def _check_tree(value: object) -> None:
             if depth > MAX_JSON_DEPTH:
                 raise _Refused(f"nested more than {MAX_JSON_DEPTH} deep")
             if isinstance(item, dict):
-                for key in item:
-                    if _SURROGATE.search(key):
-                        raise _Refused("a string holds a lone UTF-16 surrogate")
-                item = item.values()
+                item = [*item, *item.values()]  # keys are strings, checked as values are
             stack.extend((child, depth + 1) for child in item)
         elif isinstance(item, str) and _SURROGATE.search(item):
             raise _Refused("a string holds a lone UTF-16 surrogate")
