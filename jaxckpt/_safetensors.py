@@ -122,8 +122,6 @@ def write_file(
             array = np.asarray(produce(), dtype=dtype, order="C")  # keeps 0-d as 0-d
             if array.shape != tuple(shape):
                 raise AssertionError(f"{name}: produced {array.shape}, planned {tuple(shape)}")
-            if array.dtype.byteorder == ">":
-                array = array.astype(array.dtype.newbyteorder("<"))
             f.write(array.reshape(-1).view(np.uint8).data)
         f.flush()
         if not is_remote(path):  # on object storage the object exists once uploaded
@@ -182,11 +180,9 @@ def write_rows(
     leading = [
         tuple(s.indices(n)[:2] for s, n in zip(i[:-1], shape[:-1], strict=True)) for i, _ in parts
     ]
-    if any(lead != leading[0] for lead in leading):
+    whole = tuple((0, n) for n in shape[1:-1])  # else rows are not contiguous in the file
+    if any(lead != leading[0] for lead in leading) or leading[0][1:] != whole:
         return False
-    for axis, (start, stop) in enumerate(leading[0][1:], start=1):
-        if (start, stop) != (0, shape[axis]):  # rows would not be contiguous in the file
-            return False
     edge = 0
     for index, data in parts:
         start, stop = index[-1].indices(shape[-1])[:2]
