@@ -76,7 +76,7 @@ def export_safetensors(
             leaves = [by_name[p.leaf] for p in placements]
             reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
             try:
-                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader, progress)
+                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader.get, progress)
                 files = _hf_files.pack(tensors, limit)
                 _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:

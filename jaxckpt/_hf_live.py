@@ -66,8 +66,17 @@ def save_safetensors(
         leaf = leaves[p.leaf]
         leaf_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         specs[p.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype)
-    reader = _LiveLeaves(leaves) if remote else None  # else: not produced, written by region
-    planned = _hf_files.plan_tensors(placements, specs, cast, reader)
+    host: dict[str, np.ndarray] = {}  # the leaf last copied to the host
+
+    def get(name: str) -> np.ndarray:
+        """One leaf on the host at a time (a leaf split into several tensors is copied once)."""
+        if name not in host:
+            host.clear()  # the previous leaf's copy goes first
+            host[name] = np.asarray(leaves[name])
+        return host[name]
+
+    # Produced only on object storage: locally each process writes its shards by region.
+    planned = _hf_files.plan_tensors(placements, specs, cast, get if remote else None)
     files = _hf_files.pack(planned, _hf_files.parse_size(max_shard_size))
     if remote:
         _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
@@ -126,21 +135,6 @@ def save_safetensors(
         _hf_files.publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
     return _hf_files.exported(out_dir, None, files, skipped)
-
-
-class _LiveLeaves:
-    """Live leaves to the host in the order an export asks for them, one at a time (a leaf
-    split into several tensors is copied once)."""
-
-    def __init__(self, leaves: Mapping[str, Any]):
-        self._leaves = leaves
-        self._last: tuple[str | None, Any] = (None, None)
-
-    def get(self, name: str) -> np.ndarray:
-        if self._last[0] != name:
-            self._last = (None, None)  # the previous leaf's copy goes first
-            self._last = (name, np.asarray(self._leaves[name]))
-        return self._last[1]
 
 
 def _is_key(leaf: Any) -> bool:
