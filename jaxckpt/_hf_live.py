@@ -59,13 +59,13 @@ def save_safetensors(
     primary = jax.process_index() == 0
     leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
     placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    keys = [p.leaf for p in placements if _is_key(leaves[p.leaf])]
-    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
     specs = {}  # the shape and dtype of each leaf placed
     for p in placements:
         leaf = leaves[p.leaf]
         leaf_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         specs[p.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype)
+    keys = [n for n, s in specs.items() if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
+    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
     host: dict[str, np.ndarray] = {}  # the leaf last copied to the host
 
     def get(name: str) -> np.ndarray:
@@ -135,10 +135,6 @@ def save_safetensors(
         _hf_files.publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
     return _hf_files.exported(out_dir, None, files, skipped)
-
-
-def _is_key(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
