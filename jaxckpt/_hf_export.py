@@ -19,7 +19,7 @@ from jaxckpt import _hf_files, _integrity, _layout, _orbax
 from jaxckpt._names import NameMap
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute
-from jaxckpt._tree import KEY, LeafSpec, ReadRequest
+from jaxckpt._tree import KEY, LeafSpec, uniform_requests
 
 log = logging.getLogger("jaxckpt")
 
@@ -76,7 +76,7 @@ def export_safetensors(
             leaves = [by_name[p.leaf] for p in placements]
             reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
             try:
-                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader, progress)
+                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader.get, progress)
                 files = _hf_files.pack(tensors, limit)
                 _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:
@@ -95,7 +95,7 @@ class _LeafReader:
     the current one is written. At most two batches are held."""
 
     def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec], budget: int):
-        requests = {s.name: ReadRequest(s.shape, np.dtype(s.dtype), None) for s in specs}
+        requests = uniform_requests(specs, None)  # (no PRNG keys: those are never exported)
         self._read = lambda names: store.read_arrays(
             step, _layout.STATE, {n: requests[n] for n in names}
         )

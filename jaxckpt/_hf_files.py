@@ -113,9 +113,9 @@ def without_keys(
     return [p for p in placements if p.leaf not in keys], keys
 
 
-def plan_tensors(placements, by_name, cast, reader, progress=None) -> list[Planned]:
-    """Every output tensor, in leaf order; `reader.get` gives a leaf on the host (the
-    export's batch reader or a live job's leaves; None when nothing is produced)."""
+def plan_tensors(placements, by_name, cast, get, progress=None) -> list[Planned]:
+    """Every output tensor, in leaf order; `get(leaf name)` gives a leaf on the host (from
+    the export's batch reader or a live job's leaves; None when nothing is produced)."""
     planned: list[Planned] = []
     done = [0]
     for placed in placements:
@@ -126,7 +126,7 @@ def plan_tensors(placements, by_name, cast, reader, progress=None) -> list[Plann
         for i, name in enumerate(placed.names):
 
             def produce(i=i, placed=placed, dtype=dtype):
-                value = reader.get(placed.leaf)
+                value = get(placed.leaf)
                 if placed.split is not None:
                     value = np.take(value, i, axis=placed.split)
                 if placed.transpose is not None:

@@ -59,15 +59,24 @@ def save_safetensors(
     primary = jax.process_index() == 0
     leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
     placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    keys = [p.leaf for p in placements if _is_key(leaves[p.leaf])]
-    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
     specs = {}  # the shape and dtype of each leaf placed
     for p in placements:
         leaf = leaves[p.leaf]
         leaf_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         specs[p.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype)
-    reader = _LiveLeaves(leaves) if remote else None  # else: not produced, written by region
-    planned = _hf_files.plan_tensors(placements, specs, cast, reader)
+    keys = [n for n, s in specs.items() if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
+    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
+    host: dict[str, np.ndarray] = {}  # the leaf last copied to the host
+
+    def get(name: str) -> np.ndarray:
+        """One leaf on the host at a time (a leaf split into several tensors is copied once)."""
+        if name not in host:
+            host.clear()  # the previous leaf's copy goes first
+            host[name] = np.asarray(leaves[name])
+        return host[name]
+
+    # Produced only on object storage: locally each process writes its shards by region.
+    planned = _hf_files.plan_tensors(placements, specs, cast, get if remote else None)
     files = _hf_files.pack(planned, _hf_files.parse_size(max_shard_size))
     if remote:
         _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
@@ -126,25 +135,6 @@ def save_safetensors(
         _hf_files.publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
     return _hf_files.exported(out_dir, None, files, skipped)
-
-
-class _LiveLeaves:
-    """Live leaves to the host in the order an export asks for them, one at a time (a leaf
-    split into several tensors is copied once)."""
-
-    def __init__(self, leaves: Mapping[str, Any]):
-        self._leaves = leaves
-        self._last: tuple[str | None, Any] = (None, None)
-
-    def get(self, name: str) -> np.ndarray:
-        if self._last[0] != name:
-            self._last = (None, None)  # the previous leaf's copy goes first
-            self._last = (name, np.asarray(self._leaves[name]))
-        return self._last[1]
-
-
-def _is_key(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:

@@ -49,7 +49,7 @@ def describe(data: Any, state: Any = None) -> dict[str, Any]:
     `state`: its `get_state()` if already taken (JSON, or the bytes of a DataLoader's JSON);
     None: taken here.
     """
-    about: dict[str, Any] = {"type": _qualname(type(data))}
+    about: dict[str, Any] = {"type": f"{type(data).__module__}.{type(data).__qualname__}"}
     if state is None:
         try:
             state = data.get_state()
@@ -140,7 +140,3 @@ def _text(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_TEXT:
         return value[: MAX_TEXT - 3] + "..."
     return value
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"

@@ -90,13 +90,8 @@ class WriterLock:
         previous = os.pread(fd, 4096, 0)
         if previous.strip():
             log.warning("taking over the writer lock of %s, which is gone", _describe(previous))
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
         self._fd = fd
 
     def check(self, *, confirm: bool = False) -> None:
@@ -132,13 +127,7 @@ class ObjectLease:
         self.directory = directory.rstrip("/")
         self.path = f"{self.directory}/{LOCK_FILE}"
         self.lease_s = float(lease_s)
-        self._me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "lease_s": self.lease_s,
-            "id": uuid.uuid4().hex,
-        }
+        self._me = {**_me(), "lease_s": self.lease_s, "id": uuid.uuid4().hex}
         self._generation: int | None = None
         self._renewed = 0.0  # time.monotonic() of the last write the server accepted
         self._lost: str | None = None
@@ -280,6 +269,12 @@ class ObjectLease:
                 return
             except GoogleAPICallError as e:  # transient: the next renewal tries again
                 log.warning("could not renew the writer lease %s: %s", self.path, e)
+
+
+def _me() -> dict[str, Any]:
+    """How a lock names its holder (`_describe` reads it back)."""
+    since = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
 
 
 def _refused(directory: Any, holder: str) -> LockedError:

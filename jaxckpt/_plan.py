@@ -131,9 +131,8 @@ def peak_host_bytes(read: int, batch: int, held: int, devices_on_host: bool) -> 
     wait for their device copy (about half a batch at once), and the allocator keeps part
     of the staging freed by earlier batches (about a quarter of all read).
     """
-    if not read:
-        return held if devices_on_host else 0
-    return (held if devices_on_host else 0) + batch // 2 + read // 4 + RESTORE_FIXED_BYTES
+    staging = batch // 2 + read // 4 + RESTORE_FIXED_BYTES if read else 0
+    return (held if devices_on_host else 0) + staging
 
 
 def auto_inflight_bytes() -> int:
@@ -185,7 +184,9 @@ def process_bytes(
     out: dict[int, tuple[int, int]] = {}
     for device, index in request.sharding.devices_indices_map(request.shape).items():
         p = device.process_index if process_of is None else process_of(device)
-        nbytes = _slice_bytes(index, request.shape) * itemsize
+        nbytes = itemsize * math.prod(
+            len(range(*s.indices(n))) for s, n in zip(index, request.shape, strict=True)
+        )
         nread, nheld = out.get(p, (0, 0))
         key = tuple((s.start, s.stop) for s in index)
         if key not in distinct.setdefault(p, set()):
@@ -195,14 +196,10 @@ def process_bytes(
     return out
 
 
-def _slice_bytes(index: tuple[slice, ...], shape: tuple[int, ...]) -> int:
-    return math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-
-
 def size_text(n: float) -> str:
     """Bytes as `jaxckpt plan`, `ls` and `inspect` print them: 512 B, 1.50 KiB, ..."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.2f} TiB"

@@ -51,15 +51,6 @@ DTYPES: dict[str, np.dtype] = {
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
-def dtype_code(dtype: np.dtype, what: str) -> str:
-    try:
-        return CODES[np.dtype(dtype)]
-    except KeyError:
-        raise UnsupportedValueError(
-            f"{what} has dtype {dtype}, which safetensors cannot store"
-        ) from None
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -96,9 +87,13 @@ def encode_header(
         header["__metadata__"] = dict(metadata)
     offset, offsets = 0, {}
     for name, dtype, shape in tensors:
+        if np.dtype(dtype) not in CODES:
+            raise UnsupportedValueError(
+                f"tensor {name!r} has dtype {dtype}, which safetensors cannot store"
+            )
         size = nbytes(dtype, shape)
         header[name] = {
-            "dtype": dtype_code(dtype, f"tensor {name!r}"),
+            "dtype": CODES[np.dtype(dtype)],
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
@@ -127,8 +122,6 @@ def write_file(
             array = np.asarray(produce(), dtype=dtype, order="C")  # keeps 0-d as 0-d
             if array.shape != tuple(shape):
                 raise AssertionError(f"{name}: produced {array.shape}, planned {tuple(shape)}")
-            if array.dtype.byteorder == ">":
-                array = array.astype(array.dtype.newbyteorder("<"))
             f.write(array.reshape(-1).view(np.uint8).data)
         f.flush()
         if not is_remote(path):  # on object storage the object exists once uploaded
@@ -187,11 +180,9 @@ def write_rows(
     leading = [
         tuple(s.indices(n)[:2] for s, n in zip(i[:-1], shape[:-1], strict=True)) for i, _ in parts
     ]
-    if any(lead != leading[0] for lead in leading):
+    whole = tuple((0, n) for n in shape[1:-1])  # else rows are not contiguous in the file
+    if any(lead != leading[0] for lead in leading) or leading[0][1:] != whole:
         return False
-    for axis, (start, stop) in enumerate(leading[0][1:], start=1):
-        if (start, stop) != (0, shape[axis]):  # rows would not be contiguous in the file
-            return False
     edge = 0
     for index, data in parts:
         start, stop = index[-1].indices(shape[-1])[:2]
@@ -441,10 +432,7 @@ def _check_tree(value: object) -> None:
             if depth > MAX_JSON_DEPTH:
                 raise _Refused(f"nested more than {MAX_JSON_DEPTH} deep")
             if isinstance(item, dict):
-                for key in item:
-                    if _SURROGATE.search(key):
-                        raise _Refused("a string holds a lone UTF-16 surrogate")
-                item = item.values()
+                item = [*item, *item.values()]  # keys are strings, checked as values are
             stack.extend((child, depth + 1) for child in item)
         elif isinstance(item, str) and _SURROGATE.search(item):
             raise _Refused("a string holds a lone UTF-16 surrogate")

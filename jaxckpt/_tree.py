@@ -218,16 +218,17 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     """
     arrays: dict[str, Any] = {}
     specs: list[LeafSpec] = []
-    seen: dict[str, tuple] = {}
+    seen: dict[str, tuple] = {}  # the key path of each name
     for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
         entries = _entries(path)
         name = _name(entries)
         if name in seen:
             raise UnsupportedValueError(
-                f"{item} leaves {_keystr(seen[name])} and {_keystr(entries)} both map to the stored "
-                f"name {name!r}; rename one of the keys (stored names join the path with '.')."
+                f"{item} leaves {tree_util.keystr(seen[name])} and {tree_util.keystr(path)} both map "
+                f"to the stored name {name!r}; rename one of the keys (stored names join the path "
+                "with '.')."
             )
-        seen[name] = entries
+        seen[name] = path
         arrays[name], spec = _encode(leaf, name, entries, item)
         specs.append(spec)
     return arrays, specs
@@ -342,16 +343,12 @@ def check_json(value: Any, path: str = "meta") -> None:
                 f"{path} is nested more than {MAX_JSON_DEPTH} levels deep, which JSON readers "
                 "refuse; flatten it, or keep such data in a file of its own."
             )
-        if value is None or isinstance(value, str | bool):
-            continue
-        if isinstance(value, int):
-            if value.bit_length() > 14_000 and not _printable(value):
-                raise UnsupportedValueError(
-                    f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
-                    "which Python's JSON cannot write or read; store it as a string."
-                )
-            continue
-        if isinstance(value, float):
+        if isinstance(value, int) and value.bit_length() > 14_000 and not _printable(value):
+            raise UnsupportedValueError(
+                f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
+                "which Python's JSON cannot write or read; store it as a string."
+            )
+        if value is None or isinstance(value, str | int | float):  # (bool is an int)
             continue
         if isinstance(value, Mapping):
             for k in value:
@@ -360,19 +357,18 @@ def check_json(value: Any, path: str = "meta") -> None:
                         f"{path} has the key {_short(k)} of type {type(k).__name__}; JSON object "
                         "keys must be strings. Convert the key with str()."
                     )
-            children = [(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()]
-            stack.extend(reversed(children))  # the first bad value is the one reported
-            continue
-        if isinstance(value, list | tuple):
-            children = [(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
-            stack.extend(reversed(children))
-            continue
-        raise UnsupportedValueError(
-            f"{path} is a {type(value).__module__}.{type(value).__qualname__} ({_short(value)}), "
-            "which is not JSON. meta= takes dicts with string keys, lists, strings, numbers, "
-            "booleans and None; convert the value first (e.g. .item() for a NumPy scalar, "
-            "str() for a path, or keep arrays in state=)."
-        )
+            items = value.items()
+        elif isinstance(value, list | tuple):
+            items = enumerate(value)
+        else:
+            raise UnsupportedValueError(
+                f"{path} is a {type(value).__module__}.{type(value).__qualname__} "
+                f"({_short(value)}), which is not JSON. meta= takes dicts with string keys, "
+                "lists, strings, numbers, booleans and None; convert the value first (e.g. "
+                ".item() for a NumPy scalar, str() for a path, or keep arrays in state=)."
+            )
+        children = [(v, f"{path}[{k!r}]", depth + 1) for k, v in items]
+        stack.extend(reversed(children))  # the first bad value is the one reported
 
 
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
@@ -422,19 +418,18 @@ def plan_restore(
     home = replicated_sharding(target) or home
     pairs, treedef = tree_util.tree_flatten_with_path(target)
     by_name = {s.name: s for s in saved}
-    target_leaves: dict[str, tuple[tuple, Any]] = {}
+    target_leaves: dict[str, tuple[tuple, Any]] = {}  # name: (key path, leaf)
     for path, leaf in pairs:
-        entries = _entries(path)
-        name = _name(entries)
+        name = leaf_name(path)
         if name in target_leaves:
             raise TreeMismatchError(
-                f"{item} target leaves {_keystr(target_leaves[name][0])} and "
-                f"{_keystr(entries)} both stand for the stored name {name!r} (stored names "
+                f"{item} target leaves {tree_util.keystr(target_leaves[name][0])} and "
+                f"{tree_util.keystr(path)} both stand for the stored name {name!r} (stored names "
                 "join the path with '.'), so no checkpoint can fill both; rename one key."
             )
-        target_leaves[name] = (entries, leaf)
+        target_leaves[name] = (path, leaf)
 
-    missing = [_display(e) for n, (e, _) in target_leaves.items() if n not in by_name]
+    missing = [_display(_entries(p)) for n, (p, _) in target_leaves.items() if n not in by_name]
     extra = [] if partial else [s.display for s in saved if s.name not in target_leaves]
     if missing or extra:
         lines = [f"the {item} target does not match the {item} saved at step {step}:"]
@@ -656,20 +651,6 @@ def _name(entries: tuple[tuple[str, Any], ...]) -> str:
 def _display(entries: Sequence[tuple[str, Any]]) -> str:
     """How errors name a leaf: its stored name, the one spelling the CLI uses too."""
     return _name(entries) if entries else "_ (the tree's root)"
-
-
-def _keystr(entries: Sequence[tuple[str, Any]]) -> str:
-    """The path as `jax.tree_util.keystr` writes it (`['params']['w']`): only where the
-    stored name cannot tell two leaves apart."""
-    parts = []
-    for kind, key in entries:
-        if kind == "attr":
-            parts.append(f".{key}")
-        elif kind == "dict":
-            parts.append(f"[{key!r}]")
-        else:
-            parts.append(f"[{key}]")
-    return "".join(parts) or "<root>"
 
 
 def _describe(shape: Sequence[int], dtype: str) -> str:

@@ -77,9 +77,6 @@ class CorruptCheckpointError(JaxckptError, OSError):
             "fallback=True to restore the newest step that verifies."
         )
 
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class RestoreError(JaxckptError, RuntimeError):
     """Reading a step's arrays failed for a reason other than a mismatch jaxckpt checks
