@@ -37,7 +37,12 @@ from etils import epath
 
 from jaxckpt._storage import is_remote, open_inside
 from jaxckpt._tree import LeafSpec
-from jaxckpt.errors import CorruptCheckpointError, NoCheckpointError, StepNotFoundError
+from jaxckpt.errors import (
+    CorruptCheckpointError,
+    DataStateError,
+    NoCheckpointError,
+    StepNotFoundError,
+)
 
 STATE, RNG, DATA = "state", "rng", "data"  # Orbax items: folders of a step
 ITEMS = (STATE, RNG)  # the items of arrays
@@ -285,6 +290,23 @@ def read_data_about(
     ):
         raise _corrupt(directory, step, f"{rel} is not an iterator description")
     return about
+
+
+def read_data_state(directory: epath.Path, step: int, process: int, count: int) -> str:
+    """A process's saved data-iterator state, the text it saved; read as a plain file (never
+    through a link). DataStateError when the step holds none for this process."""
+    name = data_file("process", process, count)
+    try:
+        with open_inside(directory / str(step), f"{DATA}/{name}") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        saved = sorted(p.name for p in (directory / str(step) / DATA).glob("process_*.json"))
+        raise DataStateError(
+            f"step {step}: no data-iterator state for this process ({name}); the step holds "
+            f"{saved}. It was saved with a different number of processes."
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _corrupt(directory, step, f"{DATA}/{name} is unreadable: {e}") from None
 
 
 def read_data_states(directory: epath.Path, step: int, kind: str | None) -> list[dict[str, Any]]:

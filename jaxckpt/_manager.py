@@ -51,7 +51,6 @@ from jaxckpt.errors import (
     JaxckptError,
     LockedError,
     NoCheckpointError,
-    RestoreError,
     SaveError,
     StepExistsError,
     StepNotFoundError,
@@ -439,7 +438,7 @@ class CheckpointManager:
             info = info or self._read_info(step)
             restored = self._restore_step(step, info, state, rng, partial)
         if data is not None:  # last: after everything else was read (and verified)
-            _restore_data(data, step, info.data, self._store)
+            _restore_data(data, step, info.data, self.directory)
             restored = dataclasses.replace(restored, data=data)
         return restored
 
@@ -683,21 +682,16 @@ def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
     return json.dumps(state), "json", about
 
 
-def _restore_data(data: Any, step: int, kind: str | None, store: _orbax.OrbaxStore) -> None:
+def _restore_data(data: Any, step: int, kind: str | None, directory: epath.Path) -> None:
     """Moves `data` to the saved position (checked beforehand by `_check_data`)."""
-    try:
-        text = store.read_data_state(step)
-    except RestoreError as e:
-        if isinstance(e.__cause__, FileNotFoundError):  # this process's file is missing
-            raise DataStateError(f"step {step}: {e.__cause__}") from None
-        raise
+    text = _layout.read_data_state(directory, step, jax.process_index(), jax.process_count())
     try:
         saved = json.loads(text) if kind == "json" else text.encode("utf-8")
     except (ValueError, RecursionError):
         raise CorruptCheckpointError(
             step,
             [f"{_layout.DATA}/: this process's data-iterator state is not JSON"],
-            str(store.directory),
+            str(directory),
         ) from None
     try:
         data.set_state(saved)

@@ -139,14 +139,7 @@ class _DataStateHandler(ocp.CheckpointHandler):
             self._path(directory, "iterator").write_text(args.about)
 
     def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
-        path = self._path(directory, "process")
-        if not path.exists():
-            saved = sorted(p.name for p in directory.glob("process_*.json"))
-            raise FileNotFoundError(
-                f"no data-iterator state for this process ({path.name}); the step holds "
-                f"{saved}. It was saved with a different number of processes."
-            )
-        return path.read_text()
+        raise NotImplementedError("read as plain files: jaxckpt._layout.read_data_state")
 
     def metadata(self, directory: epath.Path) -> None:
         return None
@@ -163,7 +156,7 @@ class DataSave(ocp.args.CheckpointArgs):
     about: str | None = None
 
 
-@ocp.args.register_with_handler(_DataStateHandler, for_restore=True)
+@ocp.args.register_with_handler(_DataStateHandler, for_restore=True)  # Orbax needs both
 @dataclasses.dataclass
 class DataRestore(ocp.args.CheckpointArgs):
     pass
@@ -341,12 +334,6 @@ class OrbaxStore:
                 _check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
         return out
-
-    def read_data_state(self, step: int) -> str:
-        with _read_errors(step, _layout.DATA, self.directory):
-            return self._mngr.restore(
-                step, args=ocp.args.Composite(**{_layout.DATA: DataRestore()})
-            )[_layout.DATA]
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
