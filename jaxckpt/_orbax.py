@@ -31,7 +31,11 @@ from jaxckpt.errors import CorruptCheckpointError, JaxckptError, NoCheckpointErr
 log = logging.getLogger("jaxckpt")
 
 
-# --- Orbax's log noise (issue 15) ------------------------------------------------------
+# --- Orbax's and JAX's internals ---------------------------------------------------------
+# Every use of a private Orbax name, or of text Orbax or JAX do not promise, is here and
+# nowhere else; tests/test_orbax_boundary.py fails by name when an upgrade removes one (the
+# log texts below are checked by tests/test_cli_messages.py).
+#
 # Orbax logs through absl's logger: two warnings for every read-only manager, and a
 # traceback per thread for a save that failed in the background, which jaxckpt raises
 # itself as SaveError by the next save/wait/close. These known messages go to the debug
@@ -64,12 +68,6 @@ def _demote_orbax_noise(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("absl").addFilter(_demote_orbax_noise)
-# --- end of Orbax's log noise -----------------------------------------------------------
-
-
-# --- Orbax's and JAX's internals (issue 16) ---------------------------------------------
-# Every use of a private Orbax name, or of text Orbax or JAX do not promise, is here and
-# nowhere else; tests/test_orbax_boundary.py fails by name when an upgrade removes one.
 
 
 def _wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
