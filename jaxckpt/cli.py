@@ -65,13 +65,6 @@ CLI_WORDS = (
 )
 
 
-def cli_words(message: str) -> str:
-    """A library error message in the CLI's terms (see CLI_WORDS)."""
-    for python, cli in CLI_WORDS:
-        message = message.replace(python, cli)
-    return message
-
-
 class _Group(click.Group):
     """One-line errors: jaxckpt's, missing files, and click's usage errors; with --json,
     one JSON object on stdout instead. Never a traceback."""
@@ -99,7 +92,10 @@ class _Group(click.Group):
             click.echo("jaxckpt: aborted", err=True)
             code = 130
         except (JaxckptError, OSError) as e:
-            code = _fail(cli_words(str(e)), e, trouble, as_json)
+            message = str(e)
+            for python, cli in CLI_WORDS:
+                message = message.replace(python, cli)
+            code = _fail(message, e, trouble, as_json)
         sys.exit(code if isinstance(code, int) else 0)
 
 
