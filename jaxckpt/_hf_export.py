@@ -58,7 +58,6 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
-    checkpoint_dir = absolute(checkpoint_dir)
     out_dir, cast, meta = _hf_files.check_output(absolute(out_dir), overwrite, dtype, metadata)
     limit = _hf_files.parse_size(max_shard_size)
     name_map = NameMap.load(names)

@@ -20,6 +20,7 @@ traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -64,13 +65,6 @@ CLI_WORDS = (
 )
 
 
-def cli_words(message: str) -> str:
-    """A library error message in the CLI's terms (see CLI_WORDS)."""
-    for python, cli in CLI_WORDS:
-        message = message.replace(python, cli)
-    return message
-
-
 class _Group(click.Group):
     """One-line errors: jaxckpt's, missing files, and click's usage errors; with --json,
     one JSON object on stdout instead. Never a traceback."""
@@ -98,7 +92,10 @@ class _Group(click.Group):
             click.echo("jaxckpt: aborted", err=True)
             code = 130
         except (JaxckptError, OSError) as e:
-            code = _fail(cli_words(str(e)), e, trouble, as_json)
+            message = str(e)
+            for python, cli in CLI_WORDS:
+                message = message.replace(python, cli)
+            code = _fail(message, e, trouble, as_json)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -164,14 +161,13 @@ def _cpu(devices: int | None = None) -> None:
                 ) from None
 
 
-def _store(directory: str):
-    """A read-only view of a checkpoint directory; a clear error when there is none."""
-    from etils import epath
-
+def _store(directory: str, lock=None) -> contextlib.closing:
+    """A read-only view of a checkpoint directory, closed on leaving the `with`; a clear
+    error when there is none. `lock`: the writer's lock that `rm` holds."""
     from jaxckpt import _orbax
 
     _need_dir(directory)
-    return _orbax.OrbaxStore(epath.Path(directory), read_only=True)
+    return contextlib.closing(_orbax.OrbaxStore(directory, read_only=True, lock=lock))
 
 
 def _need_dir(directory: str) -> None:
@@ -185,11 +181,8 @@ def _info(directory: str, step: int | None) -> tuple[Any, Any]:
     committed)."""
     from jaxckpt import _layout
 
-    store = _store(directory)
-    try:
+    with _store(directory) as store:
         return store.directory, _layout.read_info(store.directory, store.scan().resolve(step))
-    finally:
-        store.close()
 
 
 def _check_item(item: str) -> None:
@@ -206,14 +199,13 @@ def _du(path) -> tuple[int, int]:
     every file in its folder (jaxckpt's manifest and Orbax's commit files included). One
     listing per folder: fine on object storage too; locally links are counted as
     themselves, never followed."""
+    size = files = 0
     if not is_remote(path):
-        size = files = 0
         for folder, _, names in os.walk(path):
             for name in names:
                 with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                     size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
         return size, files
-    size = files = 0
     stack = [path]
     while stack:
         for p in stack.pop().iterdir():
@@ -313,54 +305,40 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     from jaxckpt import _integrity, _layout
     from jaxckpt._plan import size_text
 
-    store = _store(checkpoint_dir)
-    try:
+    with _store(checkpoint_dir) as store:
         listing = store.scan()
-        rows = []
-        with _progress("verify step {key}") as update:
-            for step, path in sorted(listing.folders.items()):
-                if step in listing.damaged:
-                    rows.append(_damaged(step, listing.damaged[step]))
-                if step not in listing.committed:
-                    continue
-                try:
-                    info = _layout.read_info(store.directory, step)
-                except (CorruptCheckpointError, FileNotFoundError) as e:
-                    rows.append(
-                        _damaged(
-                            step,
-                            "; ".join(getattr(e, "problems", [f"{_layout.INFO_PATH} is gone"])),
-                        )
-                    )
-                    continue
-                status = "committed"
-                if check:
-                    report = _integrity.verify_step(
-                        path, step, progress=lambda s, d, t: update(s, d, t)
-                    )
-                    status = "verified" if report.ok else "CORRUPT"
-                size, files = _du(path)
-                rows.append(
-                    {
-                        "step": step,
-                        "saved_at": info.saved_at,
-                        "bytes": size,
-                        "files": files,
-                        "leaves": len(info.state),
-                        "status": status,
-                        "latest": step == listing.committed[-1],
-                    }
-                )
-        for step in listing.uncommitted:
+    rows = []
+    with _progress("verify step {key}") as update:
+        for step, path in sorted(listing.folders.items()):
+            if step in listing.damaged:
+                rows.append(_status_row(step, f"damaged: {listing.damaged[step]}"))
+            if step not in listing.committed:
+                continue
+            try:
+                info = _layout.read_info(listing.directory, step)
+            except (CorruptCheckpointError, FileNotFoundError) as e:
+                problems = getattr(e, "problems", [f"{_layout.INFO_PATH} is gone"])
+                rows.append(_status_row(step, f"damaged: {'; '.join(problems)}"))
+                continue
+            status = "committed"
+            if check:
+                report = _integrity.verify_step(path, step, progress=update)
+                status = "verified" if report.ok else "CORRUPT"
+            size, files = _du(path)
             rows.append(
                 {
                     "step": step,
-                    "status": "uncommitted (a save in progress or one that never finished)",
-                    "latest": False,
+                    "saved_at": info.saved_at,
+                    "bytes": size,
+                    "files": files,
+                    "leaves": len(info.state),
+                    "status": status,
+                    "latest": step == listing.committed[-1],
                 }
             )
-    finally:
-        store.close()
+    for step in listing.uncommitted:
+        status = "uncommitted (a save in progress or one that never finished)"
+        rows.append(_status_row(step, status))
     if as_json:
         _json({"directory": checkpoint_dir, "steps": rows})
         return
@@ -384,8 +362,9 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     )
 
 
-def _damaged(step: int, problem: str) -> dict:
-    return {"step": step, "status": f"damaged: {problem}", "latest": False}
+def _status_row(step: int, status: str) -> dict:
+    """An `ls` row of a step that is not a readable committed one: its status only."""
+    return {"step": step, "status": status, "latest": False}
 
 
 @main.command()
@@ -468,68 +447,64 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
     _cpu()
     from jaxckpt._diff import diff as diff_steps
 
+    dir_b, step_a, step_b = second, None, None
     if third is not None:
         try:
-            sides = [(first, int(second)), (first, int(third))]
+            dir_b, step_a, step_b = first, int(second), int(third)
         except ValueError:
             raise click.BadParameter(
                 f"with three arguments, STEP_A and STEP_B are step numbers: got {second!r}, "
                 f"{third!r}"
             ) from None
-    else:
-        sides = [(first, None), (second, None)]
     _check_item(item)
-    for directory, _ in sides:
-        _need_dir(directory)
+    _need_dir(first)
+    _need_dir(dir_b)
     with _progress("compare {key}") as update:
         found = diff_steps(
-            sides[0][0],
-            sides[1][0],
-            step_a=sides[0][1],
-            step_b=sides[1][1],
+            first,
+            dir_b,
+            step_a=step_a,
+            step_b=step_b,
             item=item,
             values=values,
             progress=lambda done, total: update("values", done, total),
         )
-    steps, a, b = found.steps, found.a, found.b
-    added, removed, changed, differing = found.added, found.removed, found.changed, found.differing
+    a, b, differing = found.a, found.b, found.differing
 
     def describe(spec) -> str:
         return f"{tuple(spec.shape)} {spec.dtype}"
 
     # diff(1)'s exit status: 0 the same, 1 different (in the tree and, with --values, in a
     # value), 2 trouble (the group's handler).
-    different = found.different
     if as_json:
         _json(
             {
-                "a": {"directory": sides[0][0], "step": steps[0]},
-                "b": {"directory": sides[1][0], "step": steps[1]},
+                "a": {"directory": first, "step": found.steps[0]},
+                "b": {"directory": dir_b, "step": found.steps[1]},
                 "item": item,
-                "added": added,
-                "removed": removed,
-                "changed": {n: [describe(a[n]), describe(b[n])] for n in changed},
+                "added": found.added,
+                "removed": found.removed,
+                "changed": {n: [describe(a[n]), describe(b[n])] for n in found.changed},
                 "max_abs_diff": found.max_abs_diff,
-                "identical": not different if values else None,
-                "different": different,
+                "identical": not found.different if values else None,
+                "different": found.different,
             }
         )
     else:
         click.echo(
-            f"a: {sides[0][0]} step {steps[0]}; b: {sides[1][0]} step {steps[1]} ({item}, "
+            f"a: {first} step {found.steps[0]}; b: {dir_b} step {found.steps[1]} ({item}, "
             f"{len(a)} and {len(b)} leaves)"
         )
-        for name in added:
+        for name in found.added:
             click.echo(f"  added    {name}  {describe(b[name])}")
-        for name in removed:
+        for name in found.removed:
             click.echo(f"  removed  {name}  {describe(a[name])}")
-        for name in changed:
+        for name in found.changed:
             click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
         for name, d in differing.items():
             click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
-        summary = (
-            f"{len(added)} added, {len(removed)} removed, {len(changed)} changed in shape/dtype"
-        )
+        added, removed, changed = len(found.added), len(found.removed), len(found.changed)
+        summary = f"{added} added, {removed} removed, {changed} changed in shape/dtype"
         if values:
             largest = max(differing.values(), default=0.0)
             summary += (
@@ -537,7 +512,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 f"(largest |a - b|: {largest:.6g})"
             )
         click.echo(summary)
-    if different:
+    if found.different:
         click.get_current_context().exit(1)
 
 
@@ -607,15 +582,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
                 "leaves": result.leaves,
                 "saved_bytes": result.saved_bytes,
                 "planned_replicated": replicated,
-                "processes": [
-                    {
-                        "process": p.process,
-                        "read_bytes": p.read_bytes,
-                        "device_bytes": p.device_bytes,
-                        "peak_host_bytes": p.peak_host_bytes,
-                    }
-                    for p in result.processes
-                ],
+                "processes": [dataclasses.asdict(p) for p in result.processes],
             }
         )
         return
@@ -666,10 +633,10 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
             {
                 "step": result.step,
                 "out_dir": str(result.out_dir),
-                "files": list(result.files),
+                "files": result.files,
                 "tensors": result.tensors,
                 "total_size": result.total_size,
-                "skipped": list(result.skipped),
+                "skipped": result.skipped,
             }
         )
         return
@@ -752,9 +719,6 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     and its files are deleted before the command returns.
     """
     _cpu()
-    from etils import epath
-
-    from jaxckpt import _orbax
     from jaxckpt._lock import writer_lock
 
     _need_dir(checkpoint_dir)
@@ -762,8 +726,7 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     if lock is not None:
         lock.acquire()
     try:
-        store = _orbax.OrbaxStore(epath.Path(checkpoint_dir), read_only=True, lock=lock)
-        try:
+        with _store(checkpoint_dir, lock) as store:  # closing waits for the files to go
             listing = store.scan()
             listing.resolve(step)
             steps = listing.committed
@@ -776,8 +739,6 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
                 )
             store.delete(step)
             left = store.committed_steps()
-        finally:
-            store.close()  # waits for the files to be deleted
     finally:
         if lock is not None:
             lock.release()
