@@ -365,6 +365,8 @@ Also covered by tests (one run each, every `make test`):
 | a process SIGSTOPped once a step's arrays are written, before its commit, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
 | 23 hostile plants (links and FIFOs in a step, a linked step folder, stray `²`/`00002` folders, garbage, deep or newer-format jaxckpt.json, malformed manifest entries, a leaf the arrays lack, a lock that is a link, FIFO or hard link), each fed to 17 entry points (manager, verify, export, every CLI command) | only `JaxckptError`s (one-line CLI errors); nothing outside the directory read or written; step 1 intact |
 | the lock file deleted during a save, before its commit | the commit is refused (`SaveError` from `LockedError`); the step never appears |
+| the lock file deleted, and a new writer removing the old one's unfinished save | that save's `SaveError` names the lost lock (`LockedError`), not the missing file |
+| the lock file deleted after a commit, before retention | nothing is deleted (`LockedError`); every step stays |
 | another job's retention deletes the step being restored | `restore()` restores the new latest step; `restore(step)` raises `StepNotFoundError` saying it was deleted |
 | a second SIGTERM while the main thread is blocked in `restore()` or `wait()` | the process dies of SIGTERM (the first one is only the preemption notice) |
 """
