@@ -122,23 +122,19 @@ class SaveError(JaxckptError, RuntimeError):
         self.committed = step in committed
         self.missing_processes = list(missing)
         when = " in the background" if background else ""
-        processes = f" Process(es) {', '.join(map(str, missing))}"
-        if not missing:
-            lost = ""
-        elif self.committed:
-            lost = (
-                f"{processes} never confirmed the commit: they probably died after writing"
-                f" their part; restart the job, it resumes from step {step}."
-            )
-        else:
-            lost = (
-                f"{processes} never reached the commit barrier: they probably died; restart"
-                " the job, it resumes from the last committed step."
-            )
         if self.committed:
             fate = f"Step {step} committed all the same and is whole; committed steps:"
+            lost = (
+                " never confirmed the commit: they probably died after writing their part;"
+                f" restart the job, it resumes from step {step}."
+            )
         else:
             fate = f"Step {step} was not committed; committed steps are intact:"
+            lost = (
+                " never reached the commit barrier: they probably died; restart the job, it"
+                " resumes from the last committed step."
+            )
+        lost = f" Process(es) {', '.join(map(str, missing))}{lost}" if missing else ""
         super().__init__(
             f"saving step {step} failed{when}: {type(cause).__name__}: {cause}.{lost} "
             f"{fate} {_steps(committed)}."
@@ -146,9 +142,6 @@ class SaveError(JaxckptError, RuntimeError):
 
 
 def _steps(steps: Sequence[int]) -> str:
-    steps = list(steps)
-    if not steps:
-        return "none"
     if len(steps) > 12:
-        return ", ".join(map(str, steps[:5])) + ", ..., " + ", ".join(map(str, steps[-5:]))
-    return ", ".join(map(str, steps))
+        steps = [*steps[:5], "...", *steps[-5:]]
+    return ", ".join(map(str, steps)) or "none"
