@@ -95,7 +95,7 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
     if specs is None:
         fell_back: list[str] = []
         placed = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: _place_own(path, leaf, mesh, fell_back), abstract
+            lambda path, leaf: _place(path, leaf, mesh, None, fell_back), abstract
         )
         if fell_back:
             log.warning(
@@ -127,20 +127,18 @@ def _is_array_like(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and not isinstance(leaf, np.ndarray | np.generic)
 
 
-def _place_own(path: tuple, leaf: Any, mesh: Mesh, fell_back: list[str]) -> Any:
+def _place(
+    path: tuple, leaf: Any, mesh: Mesh, spec: PartitionSpec | None, fell_back: list | None = None
+) -> Any:
+    """`leaf` on `mesh` with `spec`; with `fell_back`, with its own spec where that fits
+    (else replicated, its name added to `fell_back`)."""
     if not _is_array_like(leaf):
         return leaf
-    own = getattr(leaf, "sharding", None)
-    spec = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
-    fitted = fitting_spec(spec, leaf.shape, dict(mesh.shape))
-    if fitted != spec:
-        fell_back.append(leaf_name(path))
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, fitted))
-
-
-def _place(path: tuple, leaf: Any, mesh: Mesh, spec: PartitionSpec | None) -> Any:
-    if not _is_array_like(leaf):
-        return leaf
+    if fell_back is not None:
+        own = getattr(leaf, "sharding", None)
+        own = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
+        if (spec := fitting_spec(own, leaf.shape, dict(mesh.shape))) != own:
+            fell_back.append(leaf_name(path))
     spec = PartitionSpec() if spec is None else spec
     named = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
     if missing := sorted(named - set(mesh.axis_names)):
