@@ -540,19 +540,13 @@ def replicated_sharding(target: Any) -> jax.sharding.Sharding | None:
         for leaf in jax.tree.leaves(target)
         if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
         and getattr(leaf, "sharding", None) is not None
+        and not isinstance(getattr(leaf.sharding, "mesh", None), jax.sharding.AbstractMesh)
         and not _uncommitted(leaf)
     ]
     for sharding in shardings:
-        if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
-            sharding.mesh, jax.sharding.AbstractMesh
-        ):
+        if isinstance(sharding, jax.sharding.NamedSharding):
             return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    for sharding in shardings:
-        if not isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) and (
-            len(sharding.device_set) == 1
-        ):
-            return sharding
-    return None
+    return next((s for s in shardings if len(s.device_set) == 1), None)
 
 
 def _uncommitted(leaf: Any) -> bool:
@@ -611,13 +605,11 @@ def _compare(leaf: Any, spec: LeafSpec) -> str | None:
 def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
     if spec.kind == KEY:
         return jax.random.wrap_key_data(value, impl=spec.key_impl)
-    if target_leaf is not None:
-        if _is_python_scalar(target_leaf):
-            return type(target_leaf)(np.asarray(value).item())
-        if isinstance(target_leaf, np.generic):
-            return np.asarray(value)[()]
-        return value
-    if spec.kind == PYTHON:
+    if _is_python_scalar(target_leaf):
+        return type(target_leaf)(np.asarray(value).item())
+    if isinstance(target_leaf, np.generic):
+        return np.asarray(value)[()]
+    if target_leaf is None and spec.kind == PYTHON:  # no target (a tree's leaf is never None)
         return np.asarray(value).item()
     return value
 
