@@ -106,15 +106,7 @@ class LeafSpec:
         sharding = d.get("sharding")
         if sharding is not None and not _is_layout(sharding):
             raise ValueError(f"leaf {name!r}: sharding is not a recorded layout")
-        return cls(
-            name=name,
-            path=tuple((kind, key) for kind, key in path),
-            shape=tuple(shape),
-            dtype=dtype,
-            kind=kind,
-            key_impl=key_impl,
-            sharding=sharding,
-        )
+        return cls(name, tuple(map(tuple, path)), tuple(shape), dtype, kind, key_impl, sharding)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -122,7 +114,7 @@ class LeafSpec:
         if self.kind == KEY:
             one = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=self.key_impl)))
             return (*self.shape, *one.shape)
-        return tuple(self.shape)
+        return self.shape
 
     @property
     def stored_dtype(self) -> np.dtype:
