@@ -56,16 +56,14 @@ class RestorePlan:
 
     def __str__(self) -> str:
         rows = [
-            f"restore plan for step {self.step}: {self.leaves} leaves, {size_text(self.saved_bytes)}"
+            f"restore plan for step {self.step}: {self.leaves} leaves, {size_text(self.saved_bytes)}",
+            f"  {'process':>7}  {'reads':>10}  {'on devices':>10}  {'peak host (est.)':>16}",
         ]
-        rows.append(
-            f"  {'process':>7}  {'reads':>10}  {'on devices':>10}  {'peak host (est.)':>16}"
+        rows += (
+            f"  {p.process:>7}  {size_text(p.read_bytes):>10}  {size_text(p.device_bytes):>10}"
+            f"  {size_text(p.peak_host_bytes):>16}"
+            for p in self.processes
         )
-        for p in self.processes:
-            rows.append(
-                f"  {p.process:>7}  {size_text(p.read_bytes):>10}  {size_text(p.device_bytes):>10}"
-                f"  {size_text(p.peak_host_bytes):>16}"
-            )
         return "\n".join(rows)
 
 
@@ -180,20 +178,16 @@ def process_bytes(
     if request.sharding is None:
         size = math.prod(request.shape) * itemsize
         return {p: (size, 0) for p in range(jax.process_count())}
-    distinct: dict[int, set] = {}
-    out: dict[int, tuple[int, int]] = {}
+    distinct: dict[int, dict[tuple, int]] = {}  # per process: the bytes of each distinct slice
+    held: dict[int, int] = {}
     for device, index in request.sharding.devices_indices_map(request.shape).items():
         p = device.process_index if process_of is None else process_of(device)
         nbytes = itemsize * math.prod(
             len(range(*s.indices(n))) for s, n in zip(index, request.shape, strict=True)
         )
-        nread, nheld = out.get(p, (0, 0))
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in distinct.setdefault(p, set()):
-            distinct[p].add(key)
-            nread += nbytes
-        out[p] = (nread, nheld + nbytes)
-    return out
+        distinct.setdefault(p, {})[tuple((s.start, s.stop) for s in index)] = nbytes
+        held[p] = held.get(p, 0) + nbytes
+    return {p: (sum(slices.values()), held[p]) for p, slices in distinct.items()}
 
 
 def size_text(n: float) -> str:
