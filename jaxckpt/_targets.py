@@ -92,10 +92,10 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
     """
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
-    if specs is None:
-        fell_back: list[str] = []
+    if specs is None or isinstance(specs, PartitionSpec):  # one spec (None: its own) for all
+        fell_back: list[str] | None = [] if specs is None else None
         placed = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: _place(path, leaf, mesh, None, fell_back), abstract
+            lambda path, leaf: _place(path, leaf, mesh, specs, fell_back), abstract
         )
         if fell_back:
             log.warning(
@@ -106,10 +106,6 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
                 ", ".join(fell_back),
             )
         return placed
-    if isinstance(specs, PartitionSpec):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: _place(path, leaf, mesh, specs), abstract
-        )
     try:
         return jax.tree_util.tree_map_with_path(
             lambda path, leaf, spec: _place(path, leaf, mesh, spec), abstract, specs
