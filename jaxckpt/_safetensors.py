@@ -362,31 +362,26 @@ def parse_json(raw: bytes, what: str) -> object:
     most `MAX_JSON_DEPTH` deep; stricter: a key twice in one object is refused. FormatError
     ("{what} is not valid JSON: ...") otherwise, never quoting the bytes."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{what} is not valid JSON: not UTF-8 (at byte {e.start})") from None
-    try:
         value = json.loads(
-            text,
+            raw.decode("utf-8"),
             object_pairs_hook=_object,
             parse_int=_int,
             parse_float=_float,
             parse_constant=_constant,
         )
         _check_tree(value)
+        return value
+    except UnicodeDecodeError as e:
+        why = f": not UTF-8 (at byte {e.start})"
     except json.JSONDecodeError as e:  # e.msg is the parser's own words, no file text
-        raise FormatError(
-            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
+        why = f": {e.msg} at line {e.lineno} column {e.colno}"
     except _Refused as e:
-        raise FormatError(f"{what} is not valid JSON: {e}") from None
+        why = f": {e}"
     except RecursionError:
-        raise FormatError(
-            f"{what} is not valid JSON: nested more than {MAX_JSON_DEPTH} deep"
-        ) from None
+        why = f": nested more than {MAX_JSON_DEPTH} deep"
     except ValueError:  # any other refusal of Python's parser
-        raise FormatError(f"{what} is not valid JSON") from None
-    return value
+        why = ""
+    raise FormatError(f"{what} is not valid JSON{why}") from None
 
 
 def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
