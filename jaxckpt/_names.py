@@ -75,15 +75,13 @@ class NameMap:
                 raise ConfigError(f"cannot read the name map {path}: {e}") from None
         if not isinstance(source, Mapping):
             raise ConfigError(f"a name map is a mapping with 'rules', got {type(source).__name__}")
-        unknown = set(source) - {"rules", "include"}
-        if unknown:
+        if unknown := set(source) - {"rules", "include"}:
             raise ConfigError(
                 f"unknown name-map keys {sorted(unknown)}; expected 'rules', 'include'"
             )
         rules = []
         for i, raw in enumerate(source.get("rules") or []):
-            extra = set(raw) - {"match", "name", "transpose", "split", "drop"}
-            if "match" not in raw or extra:
+            if "match" not in raw or set(raw) - {"match", "name", "transpose", "split", "drop"}:
                 raise ConfigError(
                     f"name-map rule {i} ({raw!r}) needs 'match' and may have only name, "
                     "transpose, split, drop"
