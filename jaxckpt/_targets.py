@@ -119,17 +119,13 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
         ) from None
 
 
-def _is_array_like(leaf: Any) -> bool:
-    return hasattr(leaf, "shape") and not isinstance(leaf, np.ndarray | np.generic)
-
-
 def _place(
     path: tuple, leaf: Any, mesh: Mesh, spec: PartitionSpec | None, fell_back: list | None = None
 ) -> Any:
     """`leaf` on `mesh` with `spec`; with `fell_back`, with its own spec where that fits
     (else replicated, its name added to `fell_back`)."""
-    if not _is_array_like(leaf):
-        return leaf
+    if not hasattr(leaf, "shape") or isinstance(leaf, np.ndarray | np.generic):
+        return leaf  # a scalar or NumPy array, restored on the host
     if fell_back is not None:
         own = getattr(leaf, "sharding", None)
         own = own.spec if isinstance(own, NamedSharding) else PartitionSpec()
