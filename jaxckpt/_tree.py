@@ -335,11 +335,14 @@ def check_json(value: Any, path: str = "meta") -> None:
                 f"{path} is nested more than {MAX_JSON_DEPTH} levels deep, which JSON readers "
                 "refuse; flatten it, or keep such data in a file of its own."
             )
-        if isinstance(value, int) and value.bit_length() > 14_000 and not _printable(value):
-            raise UnsupportedValueError(
-                f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
-                "which Python's JSON cannot write or read; store it as a string."
-            )
+        if isinstance(value, int) and value.bit_length() > 14_000:
+            try:
+                str(value)
+            except ValueError:  # over sys.get_int_max_str_digits()
+                raise UnsupportedValueError(
+                    f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
+                    "which Python's JSON cannot write or read; store it as a string."
+                ) from None
         if value is None or isinstance(value, str | int | float):  # (bool is an int)
             continue
         if isinstance(value, Mapping):
@@ -376,14 +379,6 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [strict_json(v) for v in value]
     return value
-
-
-def _printable(value: int) -> bool:
-    try:
-        str(value)
-    except ValueError:  # over sys.get_int_max_str_digits()
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------
