@@ -435,8 +435,7 @@ def plan_restore(
     requests: dict[str, ReadRequest] = {}
     for name, (_, leaf) in target_leaves.items():
         spec = by_name[name]
-        problem = _compare(leaf, spec)
-        if problem:
+        if problem := _compare(leaf, spec):
             mismatches.append(f"  leaf {spec.display}: {problem}")
             continue
         sharding = _target_sharding(leaf, home)
