@@ -91,12 +91,10 @@ def plan_reads(
     read = dict.fromkeys(hosts, 0)
     held = dict.fromkeys(hosts, 0)
     batch_peak = dict.fromkeys(hosts, 0)
-    total = 0
     for batch in read_batches(requests, inflight_bytes, process_of):
         in_batch = dict.fromkeys(hosts, 0)
         for name in batch:
             request = requests[name]
-            total += math.prod(request.shape) * np.dtype(request.dtype).itemsize
             per_process = process_bytes(request, process_of)
             if request.sharding is None:  # on the host: every process reads it whole
                 per_process = dict.fromkeys(hosts, per_process[0])
@@ -111,6 +109,7 @@ def plan_reads(
         ProcessPlan(p, read[p], held[p], peak_host_bytes(read[p], batch_peak[p], held[p], on_cpu))
         for p in hosts
     )
+    total = sum(math.prod(r.shape) * r.dtype.itemsize for r in requests.values())
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
 
 
@@ -174,7 +173,7 @@ def process_bytes(
     request is read whole by every process and held by no device. `process_of(device)`
     overrides `device.process_index`.
     """
-    itemsize = np.dtype(request.dtype).itemsize
+    itemsize = request.dtype.itemsize
     if request.sharding is None:
         size = math.prod(request.shape) * itemsize
         return {p: (size, 0) for p in range(jax.process_count())}
