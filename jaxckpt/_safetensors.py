@@ -495,9 +495,9 @@ def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.nda
         if not is_remote(path):
             whole = np.memmap(f, dtype=info.dtype, mode="r", offset=info.begin, shape=info.shape)
             return np.array(whole[index])
-        shape, itemsize = info.shape, np.dtype(info.dtype).itemsize
+        shape = info.shape
         first, last = index[0].indices(shape[0])[:2] if shape else (0, 1)
-        row_bytes = math.prod(shape[1:]) * itemsize
+        row_bytes = math.prod(shape[1:]) * info.dtype.itemsize
         f.seek(info.begin + first * row_bytes)
         raw = f.read((last - first) * row_bytes)
     rows = np.frombuffer(raw, info.dtype).reshape((last - first, *shape[1:]) if shape else ())
