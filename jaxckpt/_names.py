@@ -109,8 +109,7 @@ class NameMap:
         if self.include is not None and not self.include.search(leaf):
             return None
         for rule in self.rules:
-            m = rule.match.search(leaf)
-            if m is None:
+            if (m := rule.match.search(leaf)) is None:
                 continue
             if rule.drop:
                 return None
