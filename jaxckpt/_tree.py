@@ -274,10 +274,8 @@ def node_types(tree: Any) -> list[str]:
     stack = [tree_util.tree_structure(tree)]
     while stack:
         treedef = stack.pop()
-        data = treedef.node_data()
-        if data is None:  # a leaf
-            continue
-        if data[0] not in _PLAIN_NODES:
+        data = treedef.node_data()  # None for a leaf, which has no children
+        if data is not None and data[0] not in _PLAIN_NODES:
             found.add(data[0])
         stack.extend(treedef.children())
     return sorted(f"{t.__module__}.{t.__qualname__}" for t in found)
