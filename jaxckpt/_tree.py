@@ -237,8 +237,7 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl, layout)
             value = jax.random.key_data(leaf)
         else:
-            if not _storable(leaf.dtype):
-                raise _unstorable(item, entries, leaf.dtype)
+            _check_storable(item, entries, leaf.dtype)
             dtype = _dtype_name(leaf.dtype)
             value, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
         if jax.process_count() > 1 and value.is_fully_addressable:
@@ -252,8 +251,7 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         if value.dtype != object:  # e.g. 2**70 fits no integer dtype
             return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
     elif isinstance(leaf, np.ndarray | np.generic) and leaf.dtype != object:
-        if not _storable(leaf.dtype):
-            raise _unstorable(item, entries, leaf.dtype)
+        _check_storable(item, entries, leaf.dtype)
         value = np.array(leaf, copy=True)
         return value, LeafSpec(name, entries, value.shape, value.dtype.name)
     raise UnsupportedValueError(
@@ -291,12 +289,13 @@ def _storable(dtype: np.dtype) -> bool:
     return True
 
 
-def _unstorable(item: str, entries: tuple, dtype: Any) -> UnsupportedValueError:
-    return UnsupportedValueError(
-        f"{item} leaf {_display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
-        "cannot store. Cast it to a supported dtype first (e.g. uint4 to uint8), keep "
-        "strings in meta=, or make the value a static pytree field."
-    )
+def _check_storable(item: str, entries: tuple, dtype: np.dtype) -> None:
+    if not _storable(dtype):
+        raise UnsupportedValueError(
+            f"{item} leaf {_display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
+            "cannot store. Cast it to a supported dtype first (e.g. uint4 to uint8), keep "
+            "strings in meta=, or make the value a static pytree field."
+        )
 
 
 @functools.lru_cache(maxsize=256)  # numpy's dtype.name is slow Python; save blocks on this
