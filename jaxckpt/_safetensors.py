@@ -131,14 +131,13 @@ def write_file(
 def write_region(
     fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> None:
-    """Writes `data` = tensor[index] into an open file holding the tensor at `offset`.
+    """Writes `data` = tensor[index] (in the tensor's dtype, a safetensors one: native byte
+    order) into an open file holding the tensor at `offset`.
 
     Each contiguous run of the tensor's C-order layout is one `pwrite`; a slice that spans
     whole trailing dimensions is one run.
     """
     data = np.asarray(data, order="C")  # (ascontiguousarray would make 0-d 1-d)
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
     starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
     k = len(shape)  # the first axis from which the slice covers whole trailing dimensions
     while k > 0 and data.shape[k - 1] == shape[k - 1]:
@@ -171,8 +170,7 @@ def write_rows(
     it, for rows that are contiguous in the file, with gathered writes (`os.pwritev`) straight
     from the pieces' memory (short row segments are copied side by side into blocks of
     `COPY_BLOCK_BYTES` first). Returns False, writing nothing, for pieces that do not
-    form such a block (split on a middle axis, non-contiguous, big-endian): use
-    `write_region` for those.
+    form such a block (split on a middle axis, non-contiguous): use `write_region` for those.
     """
     if not shape or not parts:
         return False
@@ -186,7 +184,7 @@ def write_rows(
     edge = 0
     for index, data in parts:
         start, stop = index[-1].indices(shape[-1])[:2]
-        if start != edge or not data.flags.c_contiguous or data.dtype.byteorder == ">":
+        if start != edge or not data.flags.c_contiguous:
             return False
         edge = stop
     if edge != shape[-1]:
