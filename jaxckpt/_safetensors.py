@@ -70,21 +70,17 @@ def nbytes(dtype: np.dtype, shape: Iterable[int]) -> int:
 
 
 def encode_header(
-    tensors: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
-    metadata: Mapping[str, str] | None = None,
+    tensors: Iterable[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
 ) -> tuple[bytes, dict[str, int]]:
-    """The file's first bytes (length + JSON header) and each tensor's absolute offset."""
-    header: dict[str, object] = {}
-    if metadata:
-        bad = {
-            k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)
-        }
-        if bad:
-            raise UnsupportedValueError(
-                f"safetensors __metadata__ maps strings to strings; these entries are not: {bad!r}. "
-                "Convert the values with str() or json.dumps()."
-            )
-        header["__metadata__"] = dict(metadata)
+    """The file's first bytes (length + JSON header) and each tensor's absolute offset.
+    (Exports always have `metadata`: `format: pt` at least.)"""
+    bad = {k: v for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise UnsupportedValueError(
+            f"safetensors __metadata__ maps strings to strings; these entries are not: {bad!r}. "
+            "Convert the values with str() or json.dumps()."
+        )
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset, offsets = 0, {}
     for name, dtype, shape in tensors:
         if np.dtype(dtype) not in CODES:
@@ -108,7 +104,7 @@ def encode_header(
 def write_file(
     path: Path,
     tensors: list[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
-    metadata: Mapping[str, str] | None = None,
+    metadata: Mapping[str, str],
 ) -> None:
     """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
 
