@@ -18,7 +18,6 @@ import numpy as np
 from jaxckpt import _hf_files, _integrity, _layout, _orbax
 from jaxckpt._names import NameMap
 from jaxckpt._plan import read_batches
-from jaxckpt._storage import absolute
 from jaxckpt._tree import KEY, LeafSpec, uniform_requests
 
 log = logging.getLogger("jaxckpt")
@@ -58,7 +57,7 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
-    out_dir, cast, meta = _hf_files.check_output(absolute(out_dir), overwrite, dtype, metadata)
+    out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
     limit = _hf_files.parse_size(max_shard_size)
     name_map = NameMap.load(names)
 

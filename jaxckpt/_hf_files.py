@@ -28,7 +28,7 @@ from etils import epath
 
 from jaxckpt import _safetensors as st
 from jaxckpt._names import Placement
-from jaxckpt._storage import is_remote
+from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
 
 log = logging.getLogger("jaxckpt")
@@ -86,9 +86,9 @@ def parse_size(size: int | str) -> int:
 def check_output(
     out_dir: str | os.PathLike, overwrite: bool, dtype: str | None, metadata: Mapping | None
 ) -> tuple[Path, np.dtype | None, dict[str, str]]:
-    """The output path (an epath on object storage), refused when non-empty (unless
+    """The output path (absolute; an epath on object storage), refused when non-empty (unless
     `overwrite`); the dtype to cast to; every file's `__metadata__` (`format: pt` by default)."""
-    out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(out_dir)
+    out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(absolute(out_dir))
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise OutputExistsError(
             f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"

@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 from jax import tree_util
+from jax.experimental import multihost_utils
 
 from jaxckpt import _hf_files
 from jaxckpt import _safetensors as st
 from jaxckpt._names import NameMap, Placement
-from jaxckpt._storage import absolute, is_remote
+from jaxckpt._storage import is_remote
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import ConfigError
 
@@ -45,9 +46,6 @@ def save_safetensors(
     tensor at a time (one leaf on the host at once), by a single-process job; a multi-process
     job saves a checkpoint and exports it with `export_safetensors` instead.
     """
-    from jax.experimental import multihost_utils
-
-    out_dir = absolute(out_dir)
     remote = is_remote(out_dir)
     if remote and jax.process_count() > 1:
         raise ConfigError(
