@@ -83,7 +83,7 @@ def load_safetensors(
         placed = name_map.place(name, leaf.shape)
         if placed is None:
             raise TreeMismatchError(f"the name map drops target leaf {name}; nothing would fill it")
-        want = file_shape(placed, leaf.shape)
+        want, dtype = file_shape(placed, leaf.shape), np.dtype(leaf.dtype)
         for tensor in placed.names:
             used.add(tensor)
             if tensor not in headers:
@@ -94,9 +94,7 @@ def load_safetensors(
                 mismatched.append(
                     f"{tensor}: shape {info.shape} in the file, {want} expected for {name}"
                 )
-            elif info.dtype != np.dtype(leaf.dtype) and not (
-                is_float(info.dtype) and is_float(np.dtype(leaf.dtype))
-            ):
+            elif info.dtype != dtype and not (is_float(info.dtype) and is_float(dtype)):
                 mismatched.append(
                     f"{tensor}: dtype {info.dtype} in the file, {leaf.dtype} in the target {name}"
                 )
