@@ -165,10 +165,9 @@ def write(
             out_dir.rmtree(missing_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
     else:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)  # and out_dir's parent, where it is renamed to
     try:
         for file_name, tensors in files.items():
             st.write_file(tmp / file_name, tensors, metadata)
