@@ -263,7 +263,6 @@ def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
         return value if inverse is None else value.transpose(inverse)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
         if placed.split is None:
             value = read_one(placed.names[0], index)
         else:
