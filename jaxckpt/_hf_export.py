@@ -18,7 +18,6 @@ import numpy as np
 from jaxckpt import _hf_files, _integrity, _layout, _orbax
 from jaxckpt._names import NameMap
 from jaxckpt._plan import read_batches
-from jaxckpt._storage import absolute
 from jaxckpt._tree import KEY, LeafSpec, uniform_requests
 
 log = logging.getLogger("jaxckpt")
@@ -58,7 +57,7 @@ def export_safetensors(
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
     """
-    out_dir, cast, meta = _hf_files.check_output(absolute(out_dir), overwrite, dtype, metadata)
+    out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
     limit = _hf_files.parse_size(max_shard_size)
     name_map = NameMap.load(names)
 
@@ -71,34 +70,34 @@ def export_safetensors(
             by_name = {s.name: s for s in _layout.read_info(store.directory, step).state}
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
-            placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
-            leaves = [by_name[p.leaf] for p in placements]
-            reader = _LeafReader(store, step, leaves, READ_BATCH_BYTES)
+            reader = _LeafReader(store, step, [by_name[p.leaf] for p in placements])
             try:
-                tensors = _hf_files.plan_tensors(placements, by_name, cast, reader.get, progress)
-                files = _hf_files.pack(tensors, limit)
+                files, skipped = _hf_files.plan(
+                    placements, by_name, keys, cast, limit, skip_unsupported, reader.get, progress
+                )
                 _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:
                 reader.close()
     finally:
         store.close()
+    done = _hf_files.exported(out_dir, step, files, skipped)
     log.info(
-        "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, len(tensors), len(files)
+        "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, done.tensors, len(files)
     )
-    return _hf_files.exported(out_dir, step, files, skipped)
+    return done
 
 
 class _LeafReader:
     """Reads leaves to the host in the order an export asks for them: in batches of at
-    most `budget` bytes (or one larger leaf), the next batch read in a worker thread while
+    most `READ_BATCH_BYTES` (or one larger leaf), the next batch read in a worker thread while
     the current one is written. At most two batches are held."""
 
-    def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec], budget: int):
-        requests = uniform_requests(specs, None)  # (no PRNG keys: those are never exported)
+    def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec]):
+        requests = uniform_requests([s for s in specs if s.kind != KEY], None)  # never exported
         self._read = lambda names: store.read_arrays(
             step, _layout.STATE, {n: requests[n] for n in names}
         )
-        self._batches = read_batches(requests, budget)
+        self._batches = read_batches(requests, READ_BATCH_BYTES)
         self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-export-read")
         self._reads: dict[int, concurrent.futures.Future] = {}

@@ -28,7 +28,7 @@ from etils import epath
 
 from jaxckpt import _safetensors as st
 from jaxckpt._names import Placement
-from jaxckpt._storage import is_remote
+from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
 
 log = logging.getLogger("jaxckpt")
@@ -86,9 +86,9 @@ def parse_size(size: int | str) -> int:
 def check_output(
     out_dir: str | os.PathLike, overwrite: bool, dtype: str | None, metadata: Mapping | None
 ) -> tuple[Path, np.dtype | None, dict[str, str]]:
-    """The output path (an epath on object storage), refused when non-empty (unless
+    """The output path (absolute; an epath on object storage), refused when non-empty (unless
     `overwrite`); the dtype to cast to; every file's `__metadata__` (`format: pt` by default)."""
-    out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(out_dir)
+    out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(absolute(out_dir))
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise OutputExistsError(
             f"{out_dir} exists and is not empty; choose another directory or pass overwrite=True"
@@ -99,10 +99,11 @@ def check_output(
     return out_dir, cast, {"format": "pt", **(metadata or {})}
 
 
-def without_keys(
-    placements: list[Placement], keys: list[str], skip_unsupported: bool
-) -> tuple[list[Placement], list[str]]:
-    """Leaves out the PRNG keys the map did not drop: safetensors has no dtype for them."""
+def plan(placements, specs, keys, cast, limit, skip_unsupported, get, progress=None):
+    """The files of an export (`pack`), every output tensor in leaf order, and the leaves
+    left out: `keys`, the PRNG key leaves the map did not drop, as safetensors has no dtype
+    for them. `get(leaf name)` gives a leaf on the host (from the export's batch reader or a
+    live job's leaves)."""
     if keys and not skip_unsupported:
         raise UnsupportedValueError(
             f"PRNG key leaves cannot be safetensors: {', '.join(keys)}; drop them in the name map "
@@ -110,16 +111,12 @@ def without_keys(
         )
     for name in keys:
         log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
-    return [p for p in placements if p.leaf not in keys], keys
-
-
-def plan_tensors(placements, by_name, cast, get, progress=None) -> list[Planned]:
-    """Every output tensor, in leaf order; `get(leaf name)` gives a leaf on the host (from
-    the export's batch reader or a live job's leaves; None when nothing is produced)."""
     planned: list[Planned] = []
     done = [0]
     for placed in placements:
-        spec = by_name[placed.leaf]
+        if placed.leaf in keys:
+            continue
+        spec = specs[placed.leaf]
         dtype = np.dtype(spec.dtype)
         dtype = cast if cast is not None and is_float(dtype) else dtype
         shape = file_shape(placed, spec.shape)
@@ -138,7 +135,7 @@ def plan_tensors(placements, by_name, cast, get, progress=None) -> list[Planned]
 
             planned.append(Planned(name, dtype, shape, produce))
     total = sum(t.nbytes for t in planned)
-    return planned
+    return pack(planned, limit), keys
 
 
 def pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
@@ -164,14 +161,13 @@ def write(
     when its upload completes, the index last; a failed export removes them."""
     if is_remote(out_dir):
         tmp = out_dir
-        if overwrite and out_dir.exists():
-            out_dir.rmtree()
+        if overwrite:
+            out_dir.rmtree(missing_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
     else:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)  # and out_dir's parent, where it is renamed to
     try:
         for file_name, tensors in files.items():
             st.write_file(tmp / file_name, tensors, metadata)

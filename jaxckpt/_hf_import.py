@@ -83,7 +83,7 @@ def load_safetensors(
         placed = name_map.place(name, leaf.shape)
         if placed is None:
             raise TreeMismatchError(f"the name map drops target leaf {name}; nothing would fill it")
-        want = file_shape(placed, leaf.shape)
+        want, dtype = file_shape(placed, leaf.shape), np.dtype(leaf.dtype)
         for tensor in placed.names:
             used.add(tensor)
             if tensor not in headers:
@@ -94,20 +94,16 @@ def load_safetensors(
                 mismatched.append(
                     f"{tensor}: shape {info.shape} in the file, {want} expected for {name}"
                 )
-            elif info.dtype != np.dtype(leaf.dtype) and not (
-                is_float(info.dtype) and is_float(np.dtype(leaf.dtype))
-            ):
+            elif info.dtype != dtype and not (is_float(info.dtype) and is_float(dtype)):
                 mismatched.append(
                     f"{tensor}: dtype {info.dtype} in the file, {leaf.dtype} in the target {name}"
                 )
         plans.append((placed, leaf))
     extra = sorted(n for n in headers if n not in used and not (ignore and re.search(ignore, n)))
     if missing or extra:
+        parts = [("missing in the files", missing), ("in the files but not in the target", extra)]
         lines = ["the safetensors do not match the target:"]
-        if missing:
-            lines.append(f"  missing in the files: {', '.join(missing[:20])}")
-        if extra:
-            lines.append(f"  in the files but not in the target: {', '.join(extra[:20])}")
+        lines += [f"  {what}: {', '.join(names[:20])}" for what, names in parts if names]
         lines.append("Fix the name map, or pass ignore= for tensors to leave unused.")
         raise TreeMismatchError("\n".join(lines))
     if mismatched:
@@ -138,22 +134,22 @@ def _open(path: str | os.PathLike) -> dict[str, tuple[Path, st.TensorInfo]]:
             )
         return {n: (real, info) for n, info in st.read_header(real)[0].items()}
     # What files may resolve into (None: anywhere); for a hub cache snapshot, its <repo>.
-    root, inside = real, None if remote else real
+    inside = None if remote else real
     if not remote and real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
         inside = real.parent.parent
-    if exists(root / INDEX_FILE):
-        index = _inside(root, INDEX_FILE, inside)
+    if exists(real / INDEX_FILE):
+        index = _inside(real, INDEX_FILE, inside)
         by_file: dict[str, set[str]] = {}
         for tensor, file in _read_index(index).items():
             by_file.setdefault(_shard_name(index, tensor, file), set()).add(tensor)
-        shards = {file: _inside(root, file, inside) for file in sorted(by_file)}
+        shards = {file: _inside(real, file, inside) for file in sorted(by_file)}
         found = {file: st.read_header(p)[0] for file, p in shards.items()}
         _check_index(index, by_file, found)
         return {n: (shards[f], info) for f, infos in found.items() for n, info in infos.items()}
-    if exists(root / SINGLE_FILE):
-        single = _inside(root, SINGLE_FILE, inside)
+    if exists(real / SINGLE_FILE):
+        single = _inside(real, SINGLE_FILE, inside)
         return {n: (single, info) for n, info in st.read_header(single)[0].items()}
-    raise FormatError(f"{root} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    raise FormatError(f"{real} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
 def _inside(root, name: str, inside: Path | None):
@@ -267,7 +263,6 @@ def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
         return value if inverse is None else value.transpose(inverse)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
         if placed.split is None:
             value = read_one(placed.names[0], index)
         else:

@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 from jax import tree_util
+from jax.experimental import multihost_utils
 
 from jaxckpt import _hf_files
 from jaxckpt import _safetensors as st
 from jaxckpt._names import NameMap, Placement
-from jaxckpt._storage import absolute, is_remote
+from jaxckpt._storage import is_remote
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import ConfigError
 
@@ -45,9 +46,6 @@ def save_safetensors(
     tensor at a time (one leaf on the host at once), by a single-process job; a multi-process
     job saves a checkpoint and exports it with `export_safetensors` instead.
     """
-    from jax.experimental import multihost_utils
-
-    out_dir = absolute(out_dir)
     remote = is_remote(out_dir)
     if remote and jax.process_count() > 1:
         raise ConfigError(
@@ -56,16 +54,14 @@ def save_safetensors(
             "checkpoint and export it with jaxckpt.export_safetensors (or `jaxckpt export`)."
         )
     out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
+    limit = _hf_files.parse_size(max_shard_size)
     primary = jax.process_index() == 0
-    leaves = {leaf_name(p): leaf for p, leaf in tree_util.tree_flatten_with_path(state)[0]}
+    flat = tree_util.tree_flatten_with_path(state)[0]
+    # Arrays as given, Python scalars as NumPy arrays: each with a shape and a dtype.
+    leaves = {leaf_name(p): x if hasattr(x, "dtype") else np.asarray(x) for p, x in flat}
     placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
-    specs = {}  # the shape and dtype of each leaf placed
-    for p in placements:
-        leaf = leaves[p.leaf]
-        leaf_dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-        specs[p.leaf] = jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype)
-    keys = [n for n, s in specs.items() if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
-    placements, skipped = _hf_files.without_keys(placements, keys, skip_unsupported)
+    prng_key = jax.dtypes.prng_key
+    keys = [p.leaf for p in placements if jax.dtypes.issubdtype(leaves[p.leaf].dtype, prng_key)]
     host: dict[str, np.ndarray] = {}  # the leaf last copied to the host
 
     def get(name: str) -> np.ndarray:
@@ -76,15 +72,12 @@ def save_safetensors(
         return host[name]
 
     # Produced only on object storage: locally each process writes its shards by region.
-    planned = _hf_files.plan_tensors(placements, specs, cast, get if remote else None)
-    files = _hf_files.pack(planned, _hf_files.parse_size(max_shard_size))
+    files, skipped = _hf_files.plan(placements, leaves, keys, cast, limit, skip_unsupported, get)
     if remote:
         _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
         return _hf_files.exported(out_dir, None, files, skipped)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-live")
-    layouts = {
-        f: st.encode_header([(t.name, t.dtype, t.shape) for t in g], meta) for f, g in files.items()
-    }
+    layouts = {f: st.encode_header([t[:3] for t in g], meta) for f, g in files.items()}
     where = {t.name: (f, layouts[f][1][t.name], t) for f, g in files.items() for t in g}
 
     if primary:
@@ -124,7 +117,7 @@ def save_safetensors(
         # Leaves in parallel: device-to-host copies and writes overlap (both release the
         # GIL); at most LIVE_WRITERS leaves are on the host at once.
         with concurrent.futures.ThreadPoolExecutor(LIVE_WRITERS, "jaxckpt-export") as pool:
-            list(pool.map(write_leaf, placements))
+            list(pool.map(write_leaf, [p for p in placements if p.leaf not in skipped]))
         for fd in fds.values():
             os.fsync(fd)
     finally:

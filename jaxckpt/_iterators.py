@@ -111,13 +111,12 @@ def _pipeline(data: Any) -> list[str]:
 
 
 def _walk(node: Any) -> list[Any]:
-    out, seen, stack = [], set(), [node]
+    out, stack = {}, [node]  # out: the nodes by id, in the order they were reached
     while stack and len(out) < MAX_NODES:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in out:
             continue
-        seen.add(id(node))
-        out.append(node)
+        out[id(node)] = node
         links = getattr(node, "__dict__", {})  # never grain's asserting `_parent` property
         try:
             parents = list(links.get("_parents", ()) or ())
@@ -125,7 +124,7 @@ def _walk(node: Any) -> list[Any]:
             parents = []
         parents += [links.get("_map_parent"), links.get("_iter_parent")]
         stack.extend(reversed(parents))
-    return out
+    return list(out.values())
 
 
 def _normalised(node: Any) -> str:

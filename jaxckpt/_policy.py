@@ -17,9 +17,11 @@ from collections.abc import Iterable
 from jaxckpt.errors import ConfigError
 
 
-def _check_positive(owner: str, name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{owner}.{name} must be positive or None, got {value!r}")
+def _check_positive(policy) -> None:  # every field of a policy: a number or None
+    for field in dataclasses.fields(policy):
+        if (value := getattr(policy, field.name)) is not None and not value > 0:
+            owner = type(policy).__name__
+            raise ConfigError(f"{owner}.{field.name} must be positive or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,9 +40,7 @@ class SavePolicy:
     every_steps: int | None = None
     every_seconds: float | None = None
 
-    def __post_init__(self):
-        _check_positive("SavePolicy", "every_steps", self.every_steps)
-        _check_positive("SavePolicy", "every_seconds", self.every_seconds)
+    __post_init__ = _check_positive
 
     def due(self, *, step: int, seconds_since_last_save: float) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:
@@ -62,9 +62,7 @@ class RetentionPolicy:
     keep_last: int | None = None
     keep_every: int | None = None
 
-    def __post_init__(self):
-        _check_positive("RetentionPolicy", "keep_last", self.keep_last)
-        _check_positive("RetentionPolicy", "keep_every", self.keep_every)
+    __post_init__ = _check_positive
 
     def steps_to_delete(self, committed: Iterable[int]) -> list[int]:
         steps = sorted(committed)

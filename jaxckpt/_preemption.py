@@ -78,17 +78,14 @@ class PreemptionWatcher:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if self._noticed.is_set():
-            self._escalate(signum, frame)
+        if not self._noticed.is_set():
+            # Set before logging: Python may run the next signal's handler inside this one
+            # (in the logging call), which must then see the notice and escalate.
+            self._noticed.set()
+            log.warning("preemption notice: signal %s; the next should_save() is true", signum)
             return
-        # Set before logging: Python may run the next signal's handler inside this one (in
-        # the logging call), which must then see the notice and escalate.
-        self._noticed.set()
-        log.warning("preemption notice: signal %s; the next should_save() is true", signum)
-
-    def _escalate(self, signum, frame) -> None:
-        """A signal after the notice: what it did before jaxckpt caught it (the default
-        action for SIGTERM: the process dies by the signal; KeyboardInterrupt for SIGINT)."""
+        # A signal after the notice: what it did before jaxckpt caught it (the default
+        # action for SIGTERM: the process dies by the signal; KeyboardInterrupt for SIGINT).
         previous = self._previous.get(signum, signal.SIG_DFL)
         log.warning(
             "signal %s after the preemption notice: handled as before jaxckpt caught it", signum
@@ -107,14 +104,13 @@ class PreemptionWatcher:
         if not self._policy.enabled or self.preempted:
             return False
         local = self._noticed.is_set() or bool(self._policy.check and self._policy.check())
-        if not self._multi:
-            self.preempted = local
-        else:
+        if self._multi:  # SIGTERM through JAX's service; the rest OR-ed over all processes
             agreed = multihost_utils.reached_preemption_sync_point(step)
             if self._previous or self._policy.check is not None:
                 agreed |= bool(np.any(multihost_utils.process_allgather(np.bool_(local))))
-            self.preempted = agreed
-        return self.preempted
+            local = agreed
+        self.preempted = local
+        return local
 
     def close(self) -> None:
         """Puts back the signal handlers that were there before."""
