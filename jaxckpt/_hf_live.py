@@ -144,7 +144,7 @@ def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.
         ]
     if primary:  # NumPy arrays and scalars: process 0 writes them
         value = np.asarray(leaf)
-        return [(tuple(slice(None) for _ in value.shape), value)]
+        return [(tuple(slice(0, n) for n in value.shape), value)]
     return []
 
 

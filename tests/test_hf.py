@@ -508,3 +508,15 @@ def test_write_rows_refuses_what_is_not_a_block_of_whole_rows(tmp_path):
     finally:
         os.close(fd)
     assert (tmp_path / "t.bin").stat().st_size == 0
+
+
+def test_live_export_splits_a_host_leaf_into_layers(tmp_path):
+    """A NumPy leaf (not a jax.Array) under a split rule: each layer is its own tensor. It
+    failed with a TypeError (its pieces had no concrete bounds to number the layers by)."""
+    stacked = np.arange(24, dtype=np.float32).reshape(3, 2, 4)
+    names = {"rules": [{"match": r"^w$", "name": "layer.{i}.weight", "split": 0}]}
+    result = jaxckpt.save_safetensors({"w": stacked}, tmp_path / "out", names=names)
+    assert result.tensors == 3
+    got = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
+    for i in range(3):
+        np.testing.assert_array_equal(got[f"layer.{i}.weight"], stacked[i])
