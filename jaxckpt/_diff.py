@@ -19,30 +19,18 @@ COMPARE_BATCH_BYTES = 128 * 2**20  # read from each step at a time
 
 @dataclasses.dataclass(frozen=True)
 class StepDiff:
-    """What `diff` found. `a` and `b` map leaf names to their specs; `max_abs_diff` (with
-    `values=True`, else None) has an entry for every leaf in both with the same shape and
-    dtype, 0.0 where they are equal."""
+    """What `diff` found: leaf names added in b, removed from a, and changed in shape or
+    dtype; with `values=True`, `max_abs_diff` for every other leaf both hold (0.0 where
+    equal, None without `values`). `a` and `b` map leaf names to their specs."""
 
     steps: tuple[int, int]
     item: str
     a: Mapping[str, LeafSpec]
     b: Mapping[str, LeafSpec]
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
     max_abs_diff: Mapping[str, float] | None = None
-
-    @property
-    def added(self) -> list[str]:
-        return sorted(self.b.keys() - self.a.keys())
-
-    @property
-    def removed(self) -> list[str]:
-        return sorted(self.a.keys() - self.b.keys())
-
-    @property
-    def changed(self) -> list[str]:
-        """Leaves in both, saved with another shape or dtype."""
-        a, b = self.a, self.b
-        both = a.keys() & b.keys()
-        return sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
 
     @property
     def differing(self) -> dict[str, float]:
@@ -77,11 +65,13 @@ def diff(
             {s.name: s for s in _layout.read_info(store.directory, step).leaves(item)}
             for store, step in zip(stores, steps, strict=True)
         )
-        found = StepDiff((steps[0], steps[1]), item, a, b)
+        both = a.keys() & b.keys()
+        changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
+        added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
+        found = StepDiff(tuple(steps), item, a, b, added, removed, changed)
         if not values:
             return found
-        changed = found.changed
-        same = {n: a[n] for n in sorted(a.keys() & b.keys()) if n not in changed}
+        same = {n: a[n] for n in sorted(both) if n not in changed}
         requests = {n: ReadRequest(s.stored_shape, s.stored_dtype, None) for n, s in same.items()}
         deltas, done, total = {}, 0, sum(s.nbytes for s in same.values())
         for batch in read_batches(requests, COMPARE_BATCH_BYTES):

@@ -629,16 +629,7 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
             progress=lambda done, total: update("export", done, total),
         )
     if as_json:
-        _json(
-            {
-                "step": result.step,
-                "out_dir": str(result.out_dir),
-                "files": result.files,
-                "tensors": result.tensors,
-                "total_size": result.total_size,
-                "skipped": result.skipped,
-            }
-        )
+        _json(dict(dataclasses.asdict(result), out_dir=str(result.out_dir)))
         return
     click.echo(
         f"exported step {result.step}: {result.tensors} tensors, {result.total_size:,} bytes "

@@ -183,3 +183,21 @@ def test_no_progress_bars_in_logs(two_steps, tmp_path):
     assert exported["count"].shape == () and exported["count"] == 20  # a 0-d tensor stays 0-d
     proc = run_python("-m", "jaxckpt", "--quiet", "verify", str(two_steps))
     assert proc.stderr == "" and proc.stdout.splitlines()[0].startswith("step 10: ok (")
+
+
+def test_export_json_reports_the_result(two_steps, tmp_path):
+    result = cli("export", str(two_steps), str(tmp_path / "hf"), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc == {
+        "out_dir": str(tmp_path / "hf"),
+        "step": 20,
+        "files": ["model.safetensors"],
+        "tensors": 4,
+        "total_size": doc["total_size"],
+        "skipped": [],
+    }
+    assert doc["total_size"] == sum(
+        v.nbytes
+        for v in safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors").values()
+    )
