@@ -27,6 +27,7 @@ foreign (written by someone else) and never touched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -169,16 +170,21 @@ class Listing:
     """A checkpoint directory as one listing found it.
 
     committed: the committed jaxckpt steps, oldest first.
-    damaged: step folders that look like damaged jaxckpt steps, with why.
     uncommitted: saves in progress or cut off (Orbax's temporary folders).
     folders: every step folder (committed, damaged or foreign; never one being written).
+    damaged (looked at only when asked): step folders that look like damaged jaxckpt steps.
     """
 
     directory: epath.Path
     committed: tuple[int, ...] = ()
-    damaged: Mapping[int, str] = dataclasses.field(default_factory=dict)
     uncommitted: tuple[int, ...] = ()
     folders: Mapping[int, epath.Path] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def damaged(self) -> dict[int, str]:
+        """Why each step folder that is not a committed step looks like a damaged one."""
+        items = sorted(self.folders.items())
+        return {s: why for s, p in items if s not in self.committed and (why := damage(p))}
 
     @classmethod
     def of(
@@ -202,10 +208,7 @@ class Listing:
                 if not _is_link(folders[s]) and (folders[s] / INFO_PATH).exists()
             )
         )
-        damaged = {
-            s: why for s, p in sorted(folders.items()) if s not in committed and (why := damage(p))
-        }
-        return cls(directory, committed, damaged, tuple(sorted(uncommitted)), folders)
+        return cls(directory, committed, tuple(sorted(uncommitted)), folders)
 
     def resolve(self, step: int | None) -> int:
         """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""

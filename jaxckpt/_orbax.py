@@ -228,22 +228,24 @@ class OrbaxStore:
             for step in self._tombstoned():
                 self._deleter.submit(self._remove_tombstoned, step)
 
-    def scan(self) -> _layout.Listing:
-        """The directory as it is now (another process may have written or deleted)."""
+    def scan(self, *, committed_only: bool = False) -> _layout.Listing:
+        """The directory as it is now (another process may have written or deleted).
+        `committed_only`: without the unfinished saves (on object storage, a request per
+        step folder), for the callers on a save's path that ask only what is committed."""
         if not self.directory.exists():  # removed under a reader
             return _layout.Listing(self.directory)
         self._mngr.reload()
-        names = (n.split(".")[0] for n in ocp.path.step.tmp_checkpoints(self.directory))
+        names = () if committed_only else ocp.path.step.tmp_checkpoints(self.directory)
         return _layout.Listing.of(
             self.directory,
             finalized=set(self._mngr.all_steps()),
-            uncommitted={step for n in names if (step := _layout.step_of(n)) is not None},
+            uncommitted={s for n in names if (s := _layout.step_of(n.split(".")[0])) is not None},
             hidden=self._tombstoned(),
         )
 
     def committed_steps(self) -> list[int]:
         """Committed jaxckpt steps, oldest first (foreign step folders are not listed)."""
-        return list(self.scan().committed)
+        return list(self.scan(committed_only=True).committed)
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
