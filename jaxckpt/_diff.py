@@ -61,10 +61,8 @@ def diff(
     stores = [_orbax.OrbaxStore(d, read_only=True) for d, _ in sides]
     try:
         steps = [store.scan().resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
-        a, b = (
-            {s.name: s for s in _layout.read_info(store.directory, step).leaves(item)}
-            for store, step in zip(stores, steps, strict=True)
-        )
+        infos = [store.info(step) for store, step in zip(stores, steps, strict=True)]
+        a, b = ({s.name: s for s in info.leaves(item)} for info in infos)
         both = a.keys() & b.keys()
         changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
         added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
@@ -76,8 +74,8 @@ def diff(
         deltas, done, total = {}, 0, sum(s.nbytes for s in same.values())
         for batch in read_batches(requests, COMPARE_BATCH_BYTES):
             x_batch, y_batch = (
-                store.read_arrays(step, item, {n: requests[n] for n in batch})
-                for store, step in zip(stores, steps, strict=True)
+                store.read_arrays(info, item, {n: requests[n] for n in batch})
+                for store, info in zip(stores, infos, strict=True)
             )
             for name in batch:
                 deltas[name] = _max_abs_diff(x_batch[name], y_batch[name])

@@ -37,14 +37,17 @@ def export_safetensors(
     overwrite: bool = False,
     skip_unsupported: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    item: str | None = None,
 ) -> _hf_files.ExportResult:
     """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
 
     The step is verified against its manifest first (`CorruptCheckpointError` if it does
-    not match), so corrupt weights are never shipped.
+    not match), so corrupt weights are never shipped. A step plain Orbax wrote has none:
+    it is exported unverified.
 
     Args:
-      checkpoint_dir: a jaxckpt checkpoint directory (only read; no lock needed).
+      checkpoint_dir: a jaxckpt checkpoint directory, or one plain Orbax wrote (only read;
+        no lock needed).
       out_dir: the output directory; must not exist or be empty, unless `overwrite`.
       step: the step to export; None for the latest committed one.
       names: a name map (YAML path, mapping or NameMap; see `jaxckpt._names`) from leaf
@@ -56,6 +59,7 @@ def export_safetensors(
       skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
         note; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
+      item: of a step plain Orbax wrote, its pytree item to export (None: its only one).
     """
     out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
     limit = _hf_files.parse_size(max_shard_size)
@@ -66,11 +70,14 @@ def export_safetensors(
         step = store.scan().resolve(step)
         # The files are hashed while the tensors are written to a temporary directory,
         # which is published only if they match: corrupt weights are never shipped.
-        with _integrity.verified_while_reading(store.directory, step) as check:
-            by_name = {s.name: s for s in _layout.read_info(store.directory, step).state}
+        with _integrity.verified_while_reading(
+            store.directory, step, verify=not store.is_orbax(step), folder=store.step_dir(step)
+        ) as check:
+            info = store.info(step, item)
+            by_name = {s.name: s for s in info.state}
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
-            reader = _LeafReader(store, step, [by_name[p.leaf] for p in placements])
+            reader = _LeafReader(store, info, [by_name[p.leaf] for p in placements])
             try:
                 files, skipped = _hf_files.plan(
                     placements, by_name, keys, cast, limit, skip_unsupported, reader.get, progress
@@ -92,10 +99,10 @@ class _LeafReader:
     most `READ_BATCH_BYTES` (or one larger leaf), the next batch read in a worker thread while
     the current one is written. At most two batches are held."""
 
-    def __init__(self, store: _orbax.OrbaxStore, step: int, specs: list[LeafSpec]):
+    def __init__(self, store: _orbax.OrbaxStore, info: _layout.StepInfo, specs: list[LeafSpec]):
         requests = uniform_requests([s for s in specs if s.kind != KEY], None)  # never exported
         self._read = lambda names: store.read_arrays(
-            step, _layout.STATE, {n: requests[n] for n in names}
+            info, _layout.STATE, {n: requests[n] for n in names}
         )
         self._batches = read_batches(requests, READ_BATCH_BYTES)
         self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}

@@ -16,26 +16,32 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import xxhash
 from etils import epath
 
 from jaxckpt import _layout
 from jaxckpt._storage import is_remote, open_inside
-from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
+from jaxckpt.errors import CorruptCheckpointError, JaxckptError, StepNotFoundError
 
 HASH = "xxh3_128"
+_READ_BATCH_BYTES = 256 * 2**20  # what verify reads of an Orbax step at a time
 _CHUNK = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """The result of verifying one step."""
+    """The result of verifying one step: the files checked and their bytes (of a step
+    plain Orbax wrote: the arrays read and theirs)."""
 
     step: int
     files: int
     bytes: int
     problems: tuple[str, ...]
+    # False for a step plain Orbax wrote: it has no manifest, so its arrays were read
+    # whole instead (every chunk readable, as Orbax's metadata records it), not checked.
+    checksummed: bool = True
 
     @property
     def ok(self) -> bool:
@@ -194,14 +200,15 @@ def _manifest(step_dir: epath.Path) -> dict[str, dict]:
 
 @contextlib.contextmanager
 def verified_while_reading(
-    directory: epath.Path, step: int, *, verify: bool = True
+    directory: epath.Path, step: int, *, verify: bool = True, folder: epath.Path | None = None
 ) -> Iterator[Callable[[], None]]:
     """Around a read of a step (restore, export): links and special files are refused before
     the body runs, and Orbax or tensorstore opens anything. With `verify`, the step's files
     are hashed in a worker thread while the body reads, and the `check()` yielded raises
     CorruptCheckpointError unless they match the manifest (waiting for the hashing); it also
-    runs when the body leaves, and first when it fails: corruption explains a failed read."""
-    step_dir = directory / str(step)
+    runs when the body leaves, and first when it fails: corruption explains a failed read.
+    `folder`: the step's folder, if not `<directory>/<step>` (a step Orbax wrote)."""
+    step_dir = folder or directory / str(step)
     if problems := unsafe_entries(step_dir):
         raise CorruptCheckpointError(step, problems, str(directory))
     if not verify:
@@ -229,22 +236,55 @@ def verify(
 
     Also reports step folders that look like damaged jaxckpt steps: empty, or holding a
     `jaxckpt/` folder without its metadata. Folders jaxckpt did not write are not judged.
+    A step plain Orbax wrote has no manifest: each of its arrays is read whole instead, and
+    its report says it is not checksummed (`StepReport.checksummed`).
     """
     from jaxckpt import _orbax
 
     store = _orbax.OrbaxStore(directory, read_only=True)
     try:
         listing = store.scan()
+        reports = []
+        for s in sorted({*listing.folders, *listing.committed}):
+            if step is not None and s != step:
+                continue
+            if s in listing.orbax:
+                reports.append(_read_whole(store, s, progress))
+            elif s in listing.committed:
+                reports.append(verify_step(listing.folders[s], s, progress=progress))
+            elif s in listing.damaged:
+                reports.append(StepReport(s, 0, 0, (listing.damaged[s],)))
     finally:
         store.close()
-    reports = []
-    for s, path in sorted(listing.folders.items()):
-        if step is not None and s != step:
-            continue
-        if s in listing.committed:
-            reports.append(verify_step(path, s, progress=progress))
-        elif s in listing.damaged:
-            reports.append(StepReport(s, 0, 0, (listing.damaged[s],)))
     if step is not None and not reports:
         raise StepNotFoundError(step, listing.committed, str(listing.directory))
     return reports
+
+
+def _read_whole(store: Any, step: int, progress: Progress | None) -> StepReport:
+    """What can be checked of a step plain Orbax wrote: each pytree item's metadata, and
+    every array read whole to the host (one batch at a time), as Orbax reads it."""
+    from jaxckpt._plan import read_batches
+    from jaxckpt._tree import uniform_requests
+
+    found = store.scan().orbax[step]
+    problems, leaves, total = [], 0, 0
+    for item in found.items_of("pytree"):
+        try:
+            info = store.info(step, item)
+        except CorruptCheckpointError as e:
+            problems.extend(e.problems)
+            continue
+        requests = uniform_requests(info.state, None)
+        sizes = {s.name: s.nbytes for s in info.state}
+        size, done = sum(sizes.values()), 0
+        for batch in read_batches(requests, _READ_BATCH_BYTES):
+            try:
+                store.read_arrays(info, _layout.STATE, {n: requests[n] for n in batch})
+            except JaxckptError as e:
+                problems.extend(getattr(e, "problems", None) or [f"item {item}: {e}"])
+            done += sum(sizes[n] for n in batch)
+            if progress is not None:
+                progress(step, done, size)
+        leaves, total = leaves + len(info.state), total + size
+    return StepReport(step, leaves, total, tuple(problems), checksummed=False)

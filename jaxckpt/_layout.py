@@ -20,8 +20,16 @@ a step number (`Listing.resolve`). Everything else asks here.
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
 item is written; object storage has no rename, so there a step is committed once Orbax's
 `commit_success.txt` is in it. A committed step folder holding `jaxckpt/jaxckpt.json` is a
-jaxckpt step; one holding `jaxckpt/` without it, or nothing, is a damaged one; any other is
-foreign (written by someone else) and never touched.
+jaxckpt step; one holding `jaxckpt/` without it, or nothing, is a damaged one.
+
+A step folder plain Orbax wrote (`ocp.CheckpointManager`, MaxText) is an Orbax step
+(`OrbaxStep`): named `[<prefix>_]<step>` (digits, zero-padded or not), it holds Orbax items,
+each a folder: a pytree (its `_METADATA` file, any of Orbax's array layouts), grain's
+iterator states (`process_<i>-of-<n>.json`, as jaxckpt's data/), or a JSON document.
+A directory that is itself one pytree (`ocp.StandardCheckpointer().save(directory, tree)`)
+is a bare Orbax checkpoint: step 0, one item, "default". jaxckpt reads Orbax steps and
+never writes, deletes or checksums them. Any other step-like folder is foreign: never
+touched, and listed with why it cannot be read (`Listing.unreadable`).
 """
 
 from __future__ import annotations
@@ -51,7 +59,11 @@ META_DIR = "jaxckpt"  # jaxckpt's item: its own files
 INFO_FILE = "jaxckpt.json"
 INFO_PATH = f"{META_DIR}/{INFO_FILE}"
 MANIFEST_PATH = f"{META_DIR}/manifest.json"
-ORBAX_COMMIT_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
+ORBAX_STEP_METADATA, ORBAX_COMMIT_FILE = "_CHECKPOINT_METADATA", "commit_success.txt"
+ORBAX_COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, ORBAX_COMMIT_FILE})
+ORBAX_TREE_FILE = "_METADATA"  # an Orbax pytree item's tree metadata
+ORBAX_JSON_FILE = "metadata"  # ocp.JsonCheckpointHandler's default file
+ORBAX_DEFAULT_ITEM = "default"  # the item of a single-item ocp.CheckpointManager
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DELETING_SUFFIX = ".jaxckpt-deleting"
 TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
@@ -67,6 +79,16 @@ def step_of(name: str) -> int | None:
     if not (name.isascii() and name.isdigit()) or (name != "0" and name.startswith("0")):
         return None
     return int(name)
+
+
+_ORBAX_STEP_NAME = re.compile(r"(?:.+_)?(\d+)")
+
+
+def orbax_step_of(name: str) -> int | None:
+    """The step of a folder name Orbax may have written: `[<prefix>_]<digits>`, the digits
+    zero-padded or not (Orbax's `step_prefix` and `step_format_fixed_length`)."""
+    found = _ORBAX_STEP_NAME.fullmatch(name) if name.isascii() else None
+    return int(found[1]) if found else None
 
 
 def data_file(kind: str, process: int, count: int) -> str:
@@ -89,9 +111,23 @@ class StepInfo:
     saved_at: str | None = None
     process_count: int | None = None
     versions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Not in jaxckpt.json: set for a step that plain Orbax wrote, whose `state` leaves are
+    # those of its pytree item `item` (`data`, "grain": its grain item's states).
+    orbax: OrbaxStep | None = None
+    item: str = STATE
 
     def leaves(self, item: str) -> tuple[LeafSpec, ...]:
         return {STATE: self.state, RNG: self.rng}[item]
+
+    def folder(self, directory: epath.Path) -> epath.Path:
+        """The step's folder in `directory`."""
+        return self.orbax.path if self.orbax else directory / str(self.step)
+
+    @property
+    def data_item(self) -> str:
+        """The step's folder of per-process data-iterator states (grain's, for Orbax's)."""
+        grain = self.orbax.items_of("grain") if self.orbax else []
+        return grain[0] if grain else DATA
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -158,7 +194,20 @@ class StepInfo:
         )
 
 
-def no_checkpoint(directory: Any) -> NoCheckpointError:
+def no_checkpoint(
+    directory: Any, unreadable: Mapping[str, str] | None = None, uncommitted: tuple[int, ...] = ()
+) -> NoCheckpointError:
+    """No committed step in `directory`; `unreadable`: the step-like folders found there,
+    and why none of them can be read; `uncommitted`: the saves found unfinished."""
+    found = [f"{name}: {why}" for name, why in sorted((unreadable or {}).items())[:5]]
+    if uncommitted:
+        steps = ", ".join(map(str, uncommitted))
+        found.append(f"unfinished saves of step(s) {steps} (in progress, or cut off)")
+    if found:
+        return NoCheckpointError(
+            f"no committed checkpoint in {directory}, which holds only what jaxckpt cannot "
+            f"read: {'; '.join(found)}"
+        )
     return NoCheckpointError(
         f"no committed checkpoint in {directory}. Check the path (a job starting from "
         "scratch finds latest_step() None)."
@@ -166,12 +215,65 @@ def no_checkpoint(directory: Any) -> NoCheckpointError:
 
 
 @dataclasses.dataclass(frozen=True)
+class OrbaxStep:
+    """A step folder plain Orbax wrote, and its items: name -> kind ("pytree", "grain",
+    "json", or "other": a folder no handler jaxckpt knows wrote). `bare`: the checkpoint
+    directory itself is the one pytree item."""
+
+    path: epath.Path
+    items: Mapping[str, str]
+    bare: bool = False
+
+    def item_dir(self, item: str) -> epath.Path:
+        return self.path if self.bare else self.path / item
+
+    def items_of(self, kind: str) -> list[str]:
+        return sorted(name for name, k in self.items.items() if k == kind)
+
+
+def orbax_step(path: epath.Path) -> OrbaxStep | str:
+    """The Orbax step in a step-like folder, or why it is none (a plain text)."""
+    if _is_link(path):
+        return "a symbolic link, which jaxckpt never follows"
+    try:
+        entries = list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return "gone while it was listed"
+    names = {p.name for p in entries}
+    if is_remote(path) and ORBAX_COMMIT_FILE not in names:
+        return f"no {ORBAX_COMMIT_FILE}: an Orbax save on object storage that never finished"
+    items = {p.name: _item_kind(p) for p in entries if p.name not in names & ORBAX_COMMIT_FILES}
+    items = {name: kind for name, kind in items.items() if kind is not None}
+    if not any(kind in ("pytree", "grain") for kind in items.values()):
+        held = ", ".join(sorted(names)[:8]) or "nothing"
+        return (
+            f"no Orbax pytree item (a folder with {ORBAX_TREE_FILE}) or grain iterator "
+            f"state in it; it holds: {held}"
+        )
+    return OrbaxStep(path, items)
+
+
+def _item_kind(path: epath.Path) -> str | None:
+    """What an entry of an Orbax step folder is (None: a file, not an item)."""
+    if _is_link(path) or not path.is_dir():
+        return None
+    names = {p.name for p in path.iterdir()}
+    if ORBAX_TREE_FILE in names:
+        return "pytree"
+    if any(DATA_STATE_FILE.fullmatch(n) for n in names):
+        return "grain"
+    return "json" if names == {ORBAX_JSON_FILE} else "other"
+
+
+@dataclasses.dataclass(frozen=True)
 class Listing:
     """A checkpoint directory as one listing found it.
 
-    committed: the committed jaxckpt steps, oldest first.
+    committed: the committed steps, oldest first: jaxckpt's and those plain Orbax wrote.
+    orbax: of those, the ones plain Orbax wrote, which jaxckpt reads and never touches.
     uncommitted: saves in progress or cut off (Orbax's temporary folders).
     folders: every step folder (committed, damaged or foreign; never one being written).
+    unreadable: step-like folders no one can read here: name -> why.
     damaged (looked at only when asked): step folders that look like damaged jaxckpt steps.
     """
 
@@ -179,6 +281,13 @@ class Listing:
     committed: tuple[int, ...] = ()
     uncommitted: tuple[int, ...] = ()
     folders: Mapping[int, epath.Path] = dataclasses.field(default_factory=dict)
+    orbax: Mapping[int, OrbaxStep] = dataclasses.field(default_factory=dict)
+    unreadable: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def own(self) -> tuple[int, ...]:
+        """The committed steps jaxckpt wrote: the only ones its retention deletes."""
+        return tuple(s for s in self.committed if s not in self.orbax)
 
     @functools.cached_property
     def damaged(self) -> dict[int, str]:
@@ -196,25 +305,48 @@ class Listing:
             return cls(directory)
         if is_remote(directory):  # an unfinished save sits at its step's path
             hidden = hidden | uncommitted
+        entries = list(directory.iterdir())
         folders = {
             step: p
-            for p in directory.iterdir()
+            for p in entries
             if (step := step_of(p.name)) is not None and step not in hidden and p.is_dir()
         }
-        committed = tuple(
-            sorted(
-                s
-                for s in finalized & folders.keys()
-                if not _is_link(folders[s]) and (folders[s] / INFO_PATH).exists()
-            )
-        )
-        return cls(directory, committed, tuple(sorted(uncommitted)), folders)
+        own = {
+            s
+            for s in finalized & folders.keys()
+            if not _is_link(folders[s]) and (folders[s] / INFO_PATH).exists()
+        }
+        orbax: dict[int, OrbaxStep] = {}
+        unreadable: dict[str, str] = {}
+        if (directory / ORBAX_TREE_FILE).exists():  # its folders are its own, not steps
+            entries = []
+            if not own:
+                orbax[0] = OrbaxStep(directory, {ORBAX_DEFAULT_ITEM: "pytree"}, bare=True)
+        for p in sorted(entries, key=lambda p: (step_of(p.name) is None, p.name)):
+            step = orbax_step_of(p.name)
+            canonical = step is not None and folders.get(step) == p
+            if step is None or (canonical and step in own) or (canonical and damage(p)):
+                continue  # not step-like, a jaxckpt step, or a damaged one
+            if step in hidden or not p.is_dir():
+                continue
+            if (step in own or step in orbax) and not canonical:
+                other = folders[step].name if step in own else orbax[step].path.name
+                unreadable[p.name] = f"step {step} is in folder {other} too"
+                continue
+            found = orbax_step(p)
+            if isinstance(found, str):
+                unreadable[p.name] = found
+                continue
+            orbax[step] = found
+            folders.setdefault(step, p)
+        committed = tuple(sorted(own | orbax.keys()))
+        return cls(directory, committed, tuple(sorted(uncommitted)), folders, orbax, unreadable)
 
     def resolve(self, step: int | None) -> int:
         """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
         if step is None:
             if not self.committed:
-                raise no_checkpoint(self.directory)
+                raise no_checkpoint(self.directory, self.unreadable, self.uncommitted)
             return self.committed[-1]
         if step in self.damaged:
             raise CorruptCheckpointError(step, [self.damaged[step]], str(self.directory))
@@ -295,43 +427,45 @@ def read_data_about(
     return about
 
 
-def read_data_state(directory: epath.Path, step: int, process: int, count: int) -> str:
+def read_data_state(directory: epath.Path, info: StepInfo, process: int, count: int) -> str:
     """A process's saved data-iterator state, the text it saved; read as a plain file (never
     through a link). DataStateError when the step holds none for this process."""
-    name = data_file("process", process, count)
+    name, folder = data_file("process", process, count), info.folder(directory)
     try:
-        with open_inside(directory / str(step), f"{DATA}/{name}") as f:
+        with open_inside(folder, f"{info.data_item}/{name}") as f:
             return f.read().decode("utf-8")
     except FileNotFoundError:
-        saved = sorted(p.name for p in (directory / str(step) / DATA).glob("process_*.json"))
+        saved = sorted(p.name for p in (folder / info.data_item).glob("process_*.json"))
         raise DataStateError(
-            f"step {step}: no data-iterator state for this process ({name}); the step holds "
-            f"{saved}. It was saved with a different number of processes."
+            f"step {info.step}: no data-iterator state for this process ({name}); the step "
+            f"holds {saved}. It was saved with a different number of processes."
         ) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise _corrupt(directory, step, f"{DATA}/{name} is unreadable: {e}") from None
+        problem = f"{info.data_item}/{name} is unreadable: {e}"
+        raise _corrupt(directory, info.step, problem) from None
 
 
-def read_data_states(directory: epath.Path, step: int, kind: str | None) -> list[dict[str, Any]]:
+def read_data_states(directory: epath.Path, info: StepInfo) -> list[dict[str, Any]]:
     """Every process's saved data-iterator state (for `jaxckpt inspect --data`), parsed when
     it is JSON (grain's states are), else the saved text; read as plain files (never through
     a link), at most MAX_DATA_STATE_BYTES each."""
+    kind, step, folder, item = info.data, info.step, info.folder(directory), info.data_item
     if kind is None:
         return []
     try:
-        names = sorted(p.name for p in (directory / str(step) / DATA).iterdir())
+        names = sorted(p.name for p in (folder / item).iterdir())
     except FileNotFoundError:
         names = []
     found = sorted(
         (int(m[1]), int(m[2]), name) for name in names if (m := DATA_STATE_FILE.fullmatch(name))
     )
     if not found:
-        raise _corrupt(directory, step, f"{DATA}/ holds no process_<i>-of-<n>.json file")
+        raise _corrupt(directory, step, f"{item}/ holds no process_<i>-of-<n>.json file")
     states = []
     for process, processes, name in found:
-        rel = f"{DATA}/{name}"
+        rel = f"{item}/{name}"
         try:
-            with open_inside(directory / str(step), rel) as f:
+            with open_inside(folder, rel) as f:
                 raw = f.read(MAX_DATA_STATE_BYTES + 1)
         except OSError as e:
             raise _corrupt(directory, step, f"{rel} is unreadable: {e.strerror or e}") from None

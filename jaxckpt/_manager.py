@@ -246,6 +246,11 @@ class CheckpointManager:
         self._finish_pending()
         # One stat on the blocking path; the directory is listed only to word the refusal.
         if self._store.step_folder_exists(step):
+            if self._store.is_orbax(step):
+                raise StepExistsError(
+                    f"step {step} in {self.directory} is a step plain Orbax wrote, which "
+                    "jaxckpt reads and never overwrites or deletes. Save under a later step."
+                )
             if step in self._store.committed_steps():
                 raise StepExistsError(
                     f"step {step} already exists in {self.directory}; jaxckpt never overwrites "
@@ -331,6 +336,7 @@ class CheckpointManager:
         partial: bool = False,
         fallback: bool = False,
         data_mismatch_ok: bool = False,
+        item: str | None = None,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
@@ -360,12 +366,16 @@ class CheckpointManager:
           data_mismatch_ok: move `data` to the saved position even though it is not built
             like the saved iterator (a deliberate change, e.g. another batch size); what
             changed is logged. The iterator's own `set_state` may still refuse the state.
+          item: of a step plain Orbax wrote, the pytree item to restore as the state (e.g.
+            MaxText's "items"); None: its only one (ConfigError listing them if it has
+            several). `data=` restores from its grain item (MaxText's "iter"). Such a step
+            has no manifest: it is read unverified (README, "Coming from Orbax").
         """
         self._check_open()
-        data_ok = (data, data_mismatch_ok)
+        wanted = _Wanted(state, rng, data, data_mismatch_ok, partial, item)
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
-                return self._restore_newest(step, state, rng, data_ok, partial, fallback)
+                return self._restore_newest(step, wanted, fallback)
             except _Deleted as e:
                 if step is not None:
                     raise self._deleted(e.step) from e.__cause__
@@ -376,12 +386,12 @@ class CheckpointManager:
             "job keeps (step=...), or stop it first."
         )
 
-    def _restore_newest(self, step, state, rng, data_ok, partial, fallback) -> Restored:
+    def _restore_newest(self, step, wanted: _Wanted, fallback: bool) -> Restored:
         skipped = []
         for candidate in self._candidates(step, fallback):
             try:
                 with _gc_paused():
-                    return self._restore_verified(candidate, state, rng, data_ok, partial)
+                    return self._restore_verified(candidate, wanted)
             except Exception as e:
                 if candidate not in self._store.committed_steps():
                     raise _Deleted(candidate) from e
@@ -416,29 +426,30 @@ class CheckpointManager:
         log.info("restoring the latest committed step %d from %s", latest, self.directory)
         return sorted(listing.committed, reverse=True) if fallback else [latest]
 
-    def _restore_verified(self, step, state, rng, data_ok, partial) -> Restored:
+    def _restore_verified(self, step: int, wanted: _Wanted) -> Restored:
         """Restores a step; with `verify_on_restore`, only if its files match the manifest.
 
         One process hashes the files in a worker thread while it reads the arrays, and
         returns nothing (moves no data iterator) unless they match. Several processes first
         agree on the verdict (a collective), then read, so no process reads a corrupt step
-        that another refuses.
+        that another refuses. A step plain Orbax wrote has no manifest: it is read as is.
         """
-        data, mismatch_ok = data_ok
+        data = wanted.data
         several = jax.process_count() > 1
-        if self._verify and several:
+        verify = self._verify and not self._store.is_orbax(step)
+        if verify and several:
             self._check(step, self._verify_share(step))
         info = None
-        if data is not None:  # before any array is read (and, on one process, any file hashed)
-            info = self._read_info(step)
-            self._check_data(step, info, data, mismatch_ok)
+        if data is not None or not verify:  # before any array is read or file hashed
+            info = self._read_info(step, wanted.item)
+            self._check_data(step, info, data, wanted.mismatch_ok)
         with _integrity.verified_while_reading(
-            self.directory, step, verify=self._verify and not several
+            self.directory, step, verify=verify and not several, folder=self._store.step_dir(step)
         ):
-            info = info or self._read_info(step)
-            restored = self._restore_step(step, info, state, rng, partial)
+            info = info or self._read_info(step, wanted.item)
+            restored = self._restore_step(step, info, wanted)
         if data is not None:  # last: after everything else was read (and verified)
-            _restore_data(data, step, info.data, self.directory)
+            _restore_data(data, info, self.directory)
             restored = dataclasses.replace(restored, data=data)
         return restored
 
@@ -475,8 +486,8 @@ class CheckpointManager:
                 f"step {step} holds no data-iterator state (it was saved without data=); "
                 "restore without data= or from a step saved with it"
             )
-        # None: saved before jaxckpt recorded it
-        saved = _layout.read_data_about(
+        # None: saved before jaxckpt recorded it, or by plain Orbax
+        saved = info.orbax is None and _layout.read_data_about(
             self.directory, step, jax.process_index(), jax.process_count()
         )
         changed = _iterators.differences(saved, _iterators.describe(data)) if saved else []
@@ -513,10 +524,11 @@ class CheckpointManager:
         if problems:
             raise CorruptCheckpointError(step, problems, str(self.directory))
 
-    def _read_info(self, step: int) -> _layout.StepInfo:
-        """The step's jaxckpt metadata, checked (CorruptCheckpointError if damaged)."""
+    def _read_info(self, step: int, item: str | None = None) -> _layout.StepInfo:
+        """The step's metadata, checked (CorruptCheckpointError if damaged); of a plain
+        Orbax step, of its pytree item `item`."""
         try:
-            return _layout.read_info(self.directory, step)
+            return self._store.info(step, item)
         except FileNotFoundError:
             if step not in self._store.committed_steps():
                 raise self._deleted(step) from None
@@ -524,7 +536,8 @@ class CheckpointManager:
                 step, [f"{_layout.INFO_PATH} is missing"], str(self.directory)
             ) from None
 
-    def _restore_step(self, step, info, state, rng, partial) -> Restored:
+    def _restore_step(self, step: int, info: _layout.StepInfo, wanted: _Wanted) -> Restored:
+        state, rng, partial = wanted.state, wanted.rng, wanted.partial
         kinds = info.rng_node_types
         if rng is None and info.rng and kinds:  # before any array is read
             raise TreeMismatchError(
@@ -535,11 +548,11 @@ class CheckpointManager:
                 "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
                 "streams, then nnx.update(rngs, restored.rng))."
             )
-        restored_state = self._read_tree(step, _layout.STATE, info.state, state, None, partial)
+        restored_state = self._read_tree(info, _layout.STATE, state, None, partial)
         restored_rng = None
         if info.rng:
             restored_rng = self._read_tree(
-                step, _layout.RNG, info.rng, rng, replicated_sharding(state), False
+                info, _layout.RNG, rng, replicated_sharding(state), False
             )
         elif rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
@@ -552,9 +565,11 @@ class CheckpointManager:
         e.g. the run's config, to build the model before restoring into it."""
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
-        return self._read_info(step).meta
+        return None if self._store.is_orbax(step) else self._read_info(step).meta
 
-    def plan(self, step: int | None = None, *, state: Any, partial: bool = False) -> RestorePlan:
+    def plan(
+        self, step: int | None = None, *, state: Any, partial: bool = False, item: str | None = None
+    ) -> RestorePlan:
         """A restore dry-run: per process, the bytes it will read and its peak host memory
         estimate. Checks `state` like `restore` does, and reads only the step's metadata.
 
@@ -566,18 +581,19 @@ class CheckpointManager:
         """
         self._check_open()
         (step,) = self._candidates(step, fallback=False)
-        specs = self._read_info(step).state
+        specs = self._read_info(step, item).state
         requests, _ = plan_restore(state, specs, item=_layout.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
 
-    def _read_tree(self, step, item, specs, target, default_sharding, partial) -> Any:
+    def _read_tree(self, info, item, target, default_sharding, partial) -> Any:
+        specs = info.leaves(item)
         if target is None:
-            arrays = self._store.read_arrays(step, item, uniform_requests(specs, default_sharding))
+            arrays = self._store.read_arrays(info, item, uniform_requests(specs, default_sharding))
             return nest(specs, arrays)
         requests, rebuild = plan_restore(
-            target, specs, item=item, step=step, partial=partial, home=default_sharding
+            target, specs, item=item, step=info.step, partial=partial, home=default_sharding
         )
-        return rebuild(self._store.read_arrays(step, item, requests))
+        return rebuild(self._store.read_arrays(info, item, requests))
 
     # ---------------------------------------------------------------------------- internals
 
@@ -595,7 +611,7 @@ class CheckpointManager:
         self._in_flight = None
         if self._retention.keep_last is None:
             return  # keeps everything: no need to list the directory
-        for old in self._retention.steps_to_delete(self._store.committed_steps()):
+        for old in self._retention.steps_to_delete(self._store.own_steps()):
             log.info("retention: deleting step %d from %s", old, self.directory)
             self._store.delete(old)
 
@@ -620,6 +636,18 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """What a `restore` call asks for."""
+
+    state: Any
+    rng: Any
+    data: Any
+    mismatch_ok: bool
+    partial: bool
+    item: str | None
 
 
 class _Deleted(Exception):
@@ -682,15 +710,21 @@ def _data_state(data: Any) -> tuple[str | None, str | None, str | None]:
     return json.dumps(state), "json", about
 
 
-def _restore_data(data: Any, step: int, kind: str | None, directory: epath.Path) -> None:
+def _restore_data(data: Any, info: _layout.StepInfo, directory: epath.Path) -> None:
     """Moves `data` to the saved position (checked beforehand by `_check_data`)."""
-    text = _layout.read_data_state(directory, step, jax.process_index(), jax.process_count())
+    step = info.step
+    text = _layout.read_data_state(directory, info, jax.process_index(), jax.process_count())
+    as_json = info.data == "json"
+    if info.data == "grain":  # grain's Orbax handler: a DatasetIterator's as JSON, else text
+        import grain
+
+        as_json = isinstance(data, grain.DatasetIterator)
     try:
-        saved = json.loads(text) if kind == "json" else text.encode("utf-8")
+        saved = json.loads(text) if as_json else text.encode("utf-8")
     except (ValueError, RecursionError):
         raise CorruptCheckpointError(
             step,
-            [f"{_layout.DATA}/: this process's data-iterator state is not JSON"],
+            [f"{info.data_item}/: this process's data-iterator state is not JSON"],
             str(directory),
         ) from None
     try:

@@ -25,8 +25,14 @@ from jaxckpt import _integrity, _layout
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote
-from jaxckpt._tree import ReadRequest
-from jaxckpt.errors import CorruptCheckpointError, JaxckptError, NoCheckpointError, RestoreError
+from jaxckpt._tree import ARRAY, PYTHON, LeafSpec, ReadRequest, leaf_name
+from jaxckpt.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    JaxckptError,
+    NoCheckpointError,
+    RestoreError,
+)
 
 log = logging.getLogger("jaxckpt")
 
@@ -179,6 +185,7 @@ class OrbaxStore:
         self.directory = epath.Path(absolute(directory))
         self._lock = lock
         self._saving: int | None = None
+        self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
@@ -187,6 +194,12 @@ class OrbaxStore:
         )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
+        if not read_only and (self.directory / _layout.ORBAX_TREE_FILE).exists():
+            raise ConfigError(
+                f"{self.directory} is itself one plain Orbax checkpoint (it holds "
+                f"{_layout.ORBAX_TREE_FILE}), not a directory of steps: open it with "
+                "read_only=True, and save into another directory"
+            )
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=not read_only,
             create=not read_only,
@@ -227,6 +240,7 @@ class OrbaxStore:
                 self._deleter.submit(_remove, leftover)
             for step in self._tombstoned():
                 self._deleter.submit(self._remove_tombstoned, step)
+        self.scan(committed_only=True)  # which steps plain Orbax wrote
 
     def scan(self, *, committed_only: bool = False) -> _layout.Listing:
         """The directory as it is now (another process may have written or deleted).
@@ -236,23 +250,47 @@ class OrbaxStore:
             return _layout.Listing(self.directory)
         self._mngr.reload()
         names = () if committed_only else ocp.path.step.tmp_checkpoints(self.directory)
-        return _layout.Listing.of(
+        listing = _layout.Listing.of(
             self.directory,
             finalized=set(self._mngr.all_steps()),
             uncommitted={s for n in names if (s := _layout.step_of(n.split(".")[0])) is not None},
             hidden=self._tombstoned(),
         )
+        self._orbax_steps = dict(listing.orbax)
+        return listing
 
     def committed_steps(self) -> list[int]:
-        """Committed jaxckpt steps, oldest first (foreign step folders are not listed)."""
+        """Committed steps, jaxckpt's and plain Orbax's, oldest first."""
         return list(self.scan(committed_only=True).committed)
+
+    def own_steps(self) -> list[int]:
+        """The committed steps jaxckpt wrote, oldest first: the only ones it deletes."""
+        return list(self.scan(committed_only=True).own)
+
+    def is_orbax(self, step: int) -> bool:
+        """Whether the last `scan` found `step` to be a step plain Orbax wrote."""
+        return step in self._orbax_steps
+
+    def info(self, step: int, item: str | None = None) -> _layout.StepInfo:
+        """What a committed step that the last `scan` listed holds: a jaxckpt step's
+        jaxckpt.json (FileNotFoundError if it is gone), or what Orbax recorded of a plain
+        Orbax step's pytree item `item` (None: its only one)."""
+        found = self._orbax_steps.get(step)
+        if found is not None:
+            return _orbax_info(self.directory, step, found, item)
+        if item not in (None, _layout.STATE):
+            raise ConfigError(
+                f"step {step} in {self.directory} is a jaxckpt step: item= chooses among the "
+                f"pytree items of a step plain Orbax wrote (got item={item!r})"
+            )
+        return _layout.read_info(self.directory, step)
 
     def step_folder_exists(self, step: int) -> bool:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
         # On object storage an unfinished save sits at its step's path: its removal, started
         # at start-up, ends first (a failed one is logged, and the next writer tries again).
         concurrent.futures.wait(self._leftovers)
-        return self.step_dir(step).exists()
+        return self.is_orbax(step) or self.step_dir(step).exists()
 
     def save(
         self,
@@ -305,7 +343,9 @@ class OrbaxStore:
             self._lock.check(confirm=True)
 
     def step_dir(self, step: int) -> epath.Path:
-        return self.directory / str(step)
+        """The step's folder (of a step plain Orbax wrote: as the last `scan` found it)."""
+        found = self._orbax_steps.get(step)
+        return found.path if found else self.directory / str(step)
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
@@ -313,27 +353,39 @@ class OrbaxStore:
         _wait_for_background_commit(self._mngr)
 
     def read_arrays(
-        self, step: int, item: str, requests: Mapping[str, ReadRequest]
+        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
-        """Reads the named arrays of one item, each onto its sharding (or to the host)."""
+        """Reads the named arrays of one item of a step, each onto its sharding (or to the
+        host); of a plain Orbax step, of its pytree item `info.item`."""
+        step = info.step
         out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
         to_read = {name: r for name, r in requests.items() if name not in out}
+        if info.orbax is not None:
+            item = info.item
+            path = info.orbax.item_dir(item)
+            tree = _orbax_tree(path)
         # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
         # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
         # thousands of leaves under it took 2.5x longer.)
         for batch in read_batches(to_read, self._restore_inflight_bytes):
-            args = ocp.args.PyTreeRestore(
-                item={n: jax.ShapeDtypeStruct(to_read[n].shape, to_read[n].dtype) for n in batch},
-                restore_args={n: _restore_args(to_read[n]) for n in batch},
-                # read only the requested leaves, never the rest of the step
-                partial_restore=True,
-            )
             with _read_errors(step, item, self.directory):
-                got = self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+                if info.orbax is None:
+                    got = self._read_batch(step, item, {n: to_read[n] for n in batch})
+                else:
+                    got = _read_orbax_batch(path, tree, {n: to_read[n] for n in batch})
             for name in batch:
                 _check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
         return out
+
+    def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
+        args = ocp.args.PyTreeRestore(
+            item={n: jax.ShapeDtypeStruct(r.shape, r.dtype) for n, r in batch.items()},
+            restore_args={n: _restore_args(r) for n, r in batch.items()},
+            # read only the requested leaves, never the rest of the step
+            partial_restore=True,
+        )
+        return self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
@@ -432,6 +484,110 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     )
 
 
+# --- steps that plain Orbax wrote -------------------------------------------------------
+
+
+def _orbax_info(
+    directory: epath.Path, step: int, found: _layout.OrbaxStep, item: str | None
+) -> _layout.StepInfo:
+    """A plain Orbax step as jaxckpt sees one: the leaves of its pytree item `item` (None:
+    its only one) as Orbax's metadata records them, its grain states as data."""
+    trees = found.items_of("pytree")
+    if item is None and len(trees) == 1:
+        item = trees[0]
+    if item not in trees:
+        held = ", ".join(f"{name} ({kind})" for name, kind in sorted(found.items.items()))
+        ask = (
+            "choose one with item= (CLI: --item)"
+            if item is None
+            else f"it has no pytree item {item!r}"
+        )
+        raise ConfigError(f"step {step} in {directory}, written by Orbax, holds {held}: {ask}")
+    try:
+        tree = _orbax_tree(found.item_dir(item))
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        problem = f"Orbax cannot read the metadata of its item {item!r}: {first}"
+        raise CorruptCheckpointError(step, [problem], str(directory)) from None
+    specs = [_orbax_spec(path, meta) for path, meta in _orbax_leaves(tree)]
+    return _layout.StepInfo(
+        step=step,
+        state=tuple(s for s in specs if s is not None),
+        data="grain" if found.items_of("grain") else None,
+        orbax=found,
+        item=item,
+    )
+
+
+def _orbax_tree(path: epath.Path) -> Any:
+    """The nested tree of an Orbax pytree item, its leaves Orbax's value metadata."""
+    return ocp.PyTreeCheckpointHandler().metadata(path).tree
+
+
+def _orbax_leaves(tree: Any) -> list[tuple[tuple, Any]]:
+    """(key path, metadata) of each leaf of an Orbax metadata tree; None is an empty node
+    (optax's EmptyState is saved as one)."""
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _orbax_spec(path: tuple, meta: Any) -> LeafSpec | None:
+    """The LeafSpec of one leaf of Orbax's metadata (None: a string leaf, which jaxckpt
+    does not restore, logged)."""
+    if not isinstance(meta, ocp.metadata.ArrayMetadata):
+        name, kind = leaf_name(path), type(meta).__name__
+        log.warning("Orbax leaf %s is a %s: jaxckpt skips it", name, kind)
+        return None
+    kind = PYTHON if isinstance(meta, ocp.metadata.ScalarMetadata) else ARRAY
+    sharding = None
+    if isinstance(meta.sharding, ocp.metadata.NamedShardingMetadata):
+        spec = [list(e) if isinstance(e, tuple) else e for e in meta.sharding.partition_spec]
+        mesh = dict(zip(meta.sharding.axis_names, map(int, meta.sharding.shape), strict=True))
+        sharding = {"mesh": mesh, "spec": spec}
+    elif isinstance(meta.sharding, ocp.metadata.SingleDeviceShardingMetadata):
+        sharding = {"devices": 1}
+    return LeafSpec.at(path, meta.shape, meta.dtype, kind=kind, sharding=sharding)
+
+
+def _read_orbax_batch(
+    path: epath.Path, tree: Any, batch: Mapping[str, ReadRequest]
+) -> dict[str, Any]:
+    """Reads the leaves `batch` names of an Orbax pytree item: the item's whole tree with
+    Orbax's placeholder for every other leaf, so that none of those is read."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [leaf_name(p) for p, _ in leaves]
+    scalar = {
+        n
+        for n, (_, meta) in zip(names, leaves, strict=True)
+        if isinstance(meta, ocp.metadata.ScalarMetadata)
+    }
+    item = [_target(batch[n]) if n in batch else ocp.PLACEHOLDER for n in names]
+    restore_args = [
+        _restore_args(batch[n]) if n in batch and n not in scalar else ocp.RestoreArgs()
+        for n in names
+    ]
+    got = ocp.PyTreeCheckpointHandler().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=jax.tree_util.tree_unflatten(treedef, item),
+            restore_args=jax.tree_util.tree_unflatten(treedef, restore_args),
+        ),
+    )
+    values = jax.tree_util.tree_leaves(got, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+    out = {}
+    for name, value in zip(names, values, strict=True):
+        if name in scalar and name in batch:  # Orbax hands back a Python or NumPy scalar
+            value = np.asarray(value, batch[name].dtype)
+            if batch[name].sharding is not None:
+                value = _on(batch[name].sharding, value)
+        if name in batch:
+            out[name] = value
+    return out
+
+
+def _target(request: ReadRequest) -> Any:
+    return jax.ShapeDtypeStruct(request.shape, request.dtype, sharding=request.sharding)
+
+
 def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
     """Deletes a folder or object; a failure is logged (the next writer retries it)."""
     try:
@@ -448,9 +604,12 @@ def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
 def _empty(request: ReadRequest) -> Any:
     """A zero-size array (never written, see `save`) where the request wants it."""
     host = np.zeros(request.shape, request.dtype)
-    if request.sharding is None:
-        return host
-    return jax.make_array_from_callback(request.shape, request.sharding, lambda index: host[index])
+    return host if request.sharding is None else _on(request.sharding, host)
+
+
+def _on(sharding: jax.sharding.Sharding, host: np.ndarray) -> jax.Array:
+    """A host array placed on `sharding` (on every process of a multi-process job)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _restore_args(request: ReadRequest) -> ocp.RestoreArgs:

@@ -57,6 +57,12 @@ class LeafSpec:
     # NamedSharding (spec entries: null, an axis, or a list of axes), {"devices": n} else.
     sharding: dict[str, Any] | None = None
 
+    @classmethod
+    def at(cls, path: tuple, shape: tuple[int, ...], dtype: Any, **fields: Any) -> LeafSpec:
+        """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved)."""
+        entries = _entries(path)
+        return cls(_name(entries), entries, tuple(shape), _dtype_name(dtype), **fields)
+
     @property
     def display(self) -> str:
         """The leaf as errors name it: its stored name (`params.w`), which `jaxckpt inspect`

@@ -176,13 +176,18 @@ def _need_dir(directory: str) -> None:
         raise NoCheckpointError(f"{directory}: no such checkpoint directory")
 
 
-def _info(directory: str, step: int | None) -> tuple[Any, Any]:
-    """The directory's path and the step's metadata (`StepInfo`; step None: the latest
-    committed)."""
+def _info(directory: str, step: int | None, item: str | None = None) -> tuple[Any, Any, str]:
+    """The directory's path, the step's metadata (`StepInfo`; step None: the latest
+    committed) and which of its trees `item` names: of a jaxckpt step "state" or "rng"
+    (None: state), of a plain Orbax step its pytree item (None: its only one)."""
     from jaxckpt import _layout
 
     with _store(directory) as store:
-        return store.directory, _layout.read_info(store.directory, store.scan().resolve(step))
+        step = store.scan().resolve(step)
+        if store.is_orbax(step):
+            return store.directory, store.info(step, item), _layout.STATE
+        _check_item(item or _layout.STATE)
+        return store.directory, store.info(step), item or _layout.STATE
 
 
 def _check_item(item: str) -> None:
@@ -305,33 +310,38 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     from jaxckpt import _integrity, _layout
     from jaxckpt._plan import size_text
 
-    with _store(checkpoint_dir) as store:
-        listing = store.scan()
     rows = []
-    with _progress("verify step {key}") as update:
-        for step, path in sorted(listing.folders.items()):
+    with _store(checkpoint_dir) as store, _progress("verify step {key}") as update:
+        listing = store.scan()
+        for step in sorted({*listing.folders, *listing.committed}):
             if step in listing.damaged:
                 rows.append(_status_row(step, f"damaged: {listing.damaged[step]}"))
             if step not in listing.committed:
                 continue
             try:
-                info = _layout.read_info(listing.directory, step)
+                infos = [store.info(step, i) for i in _pytree_items(listing, step)]
             except (CorruptCheckpointError, FileNotFoundError) as e:
                 problems = getattr(e, "problems", [f"{_layout.INFO_PATH} is gone"])
                 rows.append(_status_row(step, f"damaged: {'; '.join(problems)}"))
                 continue
-            status = "committed"
+            orbax = step in listing.orbax
+            status = "committed (plain Orbax: not checksummed)" if orbax else "committed"
             if check:
-                report = _integrity.verify_step(path, step, progress=update)
-                status = "verified" if report.ok else "CORRUPT"
-            size, files = _du(path)
+                if orbax:
+                    report = _integrity.verify(listing.directory, step, progress=update)[0]
+                    status = "readable (not checksummed)" if report.ok else "UNREADABLE"
+                else:
+                    report = _integrity.verify_step(listing.folders[step], step, progress=update)
+                    status = "verified" if report.ok else "CORRUPT"
+            size, files = _du(store.step_dir(step))
             rows.append(
                 {
                     "step": step,
-                    "saved_at": info.saved_at,
+                    "written_by": "orbax" if orbax else "jaxckpt",
+                    "saved_at": infos[0].saved_at,
                     "bytes": size,
                     "files": files,
-                    "leaves": len(info.state),
+                    "leaves": sum(len(info.state) for info in infos),
                     "status": status,
                     "latest": step == listing.committed[-1],
                 }
@@ -340,8 +350,11 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
         status = "uncommitted (a save in progress or one that never finished)"
         rows.append(_status_row(step, status))
     if as_json:
-        _json({"directory": checkpoint_dir, "steps": rows})
+        unreadable = [{"folder": n, "why": why} for n, why in sorted(listing.unreadable.items())]
+        _json({"directory": checkpoint_dir, "steps": rows, "unreadable": unreadable})
         return
+    for name, why in sorted(listing.unreadable.items()):
+        click.echo(f"{name}: not a step jaxckpt can read: {why}", err=True)
     if not rows:
         click.echo(f"{checkpoint_dir}: no steps")
         return
@@ -362,16 +375,30 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     )
 
 
+def _pytree_items(listing, step: int) -> list[str | None]:
+    """The items `ls` counts the leaves of: a jaxckpt step's state, each pytree item of a
+    step plain Orbax wrote."""
+    found = listing.orbax.get(step)
+    return found.items_of("pytree") if found else [None]
+
+
 def _status_row(step: int, status: str) -> dict:
     """An `ls` row of a step that is not a readable committed one: its status only."""
     return {"step": step, "status": status, "latest": False}
+
+
+ITEM_OPTION = click.option(
+    "--item",
+    help="state (the default) or rng; of a step plain Orbax wrote, its pytree item "
+    "(default: its only one).",
+)
 
 
 @main.command()
 @QUIET_OPTION
 @DIR
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
-@click.option("--item", default="state", show_default=True, help="state or rng.")
+@ITEM_OPTION
 @click.option("--filter", "pattern", help="Only leaves whose name matches this regex.")
 @click.option(
     "--data",
@@ -391,15 +418,15 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
     from jaxckpt import _layout
     from jaxckpt._plan import size_text
 
-    _check_item(item)
-    path, info = _info(checkpoint_dir, step)
-    specs = [s for s in info.leaves(item) if wanted is None or wanted.search(s.name)]
+    path, info, which = _info(checkpoint_dir, step, item)
+    specs = [s for s in info.leaves(which) if wanted is None or wanted.search(s.name)]
     total = sum(s.nbytes for s in specs)
-    states = _layout.read_data_states(path, info.step, info.data) if show_data else None
+    states = _layout.read_data_states(path, info) if show_data else None
     if as_json:
         doc = {
             "step": info.step,
-            "item": item,
+            "item": info.item if info.orbax else which,
+            "written_by": "orbax" if info.orbax else "jaxckpt",
             "saved_at": info.saved_at,
             "process_count": info.process_count,
             "data": info.data,
@@ -411,10 +438,17 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
             doc["data_states"] = states
         _json(doc)
         return
-    click.echo(
-        f"step {info.step} of {checkpoint_dir}, saved {(info.saved_at or '?')[:19]} by "
-        f"{info.process_count or '?'} process(es), jax {info.versions.get('jax', '?')}"
-    )
+    if info.orbax:
+        items = ", ".join(f"{n} ({k})" for n, k in sorted(info.orbax.items.items()))
+        click.echo(
+            f"step {info.step} of {checkpoint_dir}, written by plain Orbax (no manifest: not "
+            f"checksummed); items: {items}; the leaves of {info.item}:"
+        )
+    else:
+        click.echo(
+            f"step {info.step} of {checkpoint_dir}, saved {(info.saved_at or '?')[:19]} by "
+            f"{info.process_count or '?'} process(es), jax {info.versions.get('jax', '?')}"
+        )
     if states is not None:
         if not states:
             click.echo("no data-iterator state: the step was saved without a data iterator")
@@ -523,6 +557,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
 @click.option("--axes", help="Its axis names, e.g. data,model (default: the saved mesh's).")
 @click.option("--hosts", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--step", type=int, help="Step to plan (default: the latest committed).")
+@ITEM_OPTION
 @click.option(
     "--inflight-bytes",
     type=click.IntRange(min=1),
@@ -530,7 +565,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
     "machine's memory, as the manager's default).",
 )
 @JSON_OPTION
-def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> None:
+def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json) -> None:
     """Restore dry-run onto another mesh: bytes each host reads and its peak memory.
 
     Each leaf keeps its saved PartitionSpec where the target mesh has those axes and they
@@ -560,12 +595,13 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     from jaxckpt._plan import auto_inflight_bytes, plan_reads
     from jaxckpt._targets import requests_on_mesh
 
-    _, info = _info(checkpoint_dir, step)
-    saved_axes = next((tuple(s.sharding["mesh"]) for s in info.state if s.spec is not None), ())
+    _, info, which = _info(checkpoint_dir, step, item)
+    leaves = info.leaves(which)
+    saved_axes = next((tuple(s.sharding["mesh"]) for s in leaves if s.spec is not None), ())
     names = _axis_names(mesh, shape, axes, saved_axes)
     target_mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), names)
     sizes = dict(zip(names, shape, strict=True))
-    requests, replicated = requests_on_mesh(info.state, target_mesh)
+    requests, replicated = requests_on_mesh(leaves, target_mesh)
     result = plan_reads(
         info.step,
         requests,
@@ -610,8 +646,11 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, inflight_bytes, as_json) -> No
     "--names", type=click.Path(dir_okay=False, exists=True), help="Name map YAML (configs/hf/)."
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT.")
+@click.option(
+    "--item", help="Of a step plain Orbax wrote, its pytree item (default: its only one)."
+)
 @JSON_OPTION
-def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, as_json):
+def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, item, as_json):
     """Export a checkpoint's state to Hugging Face-style sharded safetensors."""
     _cpu()
     from jaxckpt import export_safetensors
@@ -627,6 +666,7 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             progress=lambda done, total: update("export", done, total),
+            item=item,
         )
     if as_json:
         _json(dict(dataclasses.asdict(result), out_dir=str(result.out_dir)))
@@ -645,8 +685,6 @@ def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrit
 def verify(checkpoint_dir, step, as_json) -> None:
     """Check every file of every step against its manifest; exit 1 on any problem."""
     _cpu()
-    from etils import epath
-
     from jaxckpt._integrity import verify as verify_dir
 
     _need_dir(checkpoint_dir)
@@ -659,8 +697,8 @@ def verify(checkpoint_dir, step, as_json) -> None:
     bad = [r.step for r in reports if not r.ok]
     # Sizes as `ls` shows them: every file of the step (the manifest checks all but itself
     # and Orbax's two commit files, which Orbax rewrites as it commits).
-    root = epath.Path(checkpoint_dir)
-    sizes = {r.step: _du(root / str(r.step)) for r in reports}
+    with _store(checkpoint_dir) as store:
+        sizes = {r.step: _du(store.step_dir(r.step)) for r in reports}
     if as_json:
         _json(
             {
@@ -671,6 +709,7 @@ def verify(checkpoint_dir, step, as_json) -> None:
                         "files": sizes[r.step][1],
                         "bytes": sizes[r.step][0],
                         "problems": r.problems,
+                        "checksummed": r.checksummed,
                     }
                     for r in reports
                 ],
@@ -678,7 +717,12 @@ def verify(checkpoint_dir, step, as_json) -> None:
         )
     else:
         for r in reports:
-            if r.ok:
+            if r.ok and not r.checksummed:
+                click.echo(
+                    f"step {r.step}: readable, NOT checksummed (plain Orbax wrote it: no "
+                    f"manifest; its {r.files} arrays, {r.bytes:,} bytes, were read whole)"
+                )
+            elif r.ok:
                 size, files = sizes[r.step]
                 click.echo(f"step {r.step}: ok ({files} files, {size:,} bytes)")
             else:

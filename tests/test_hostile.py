@@ -522,14 +522,15 @@ def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh, mo
     read_arrays = type(reader._store).read_arrays
     deleted = threading.Event()
 
-    def writer_deletes_first(store, step, item, requests):
+    def writer_deletes_first(store, info, item, requests):
         if not deleted.is_set():
             deleted.set()
             with jaxckpt.CheckpointManager(
                 ckpt, retention=jaxckpt.RetentionPolicy(keep_last=1)
             ) as w:
-                w.save(step + 1, state=state_at(mesh, step + 1))  # commits, then deletes the rest
-        return read_arrays(store, step, item, requests)
+                step = info.step + 1  # commits, then deletes the rest
+                w.save(step, state=state_at(mesh, step))
+        return read_arrays(store, info, item, requests)
 
     monkeypatch.setattr(type(reader._store), "read_arrays", writer_deletes_first)
     restored = reader.restore(state=target(mesh))
