@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The oldest orbax-checkpoint that runs here, whose checkpoints tests/test_from_orbax.py opens.
+OLD_ORBAX := .venv-orbax-0.2.3
+OLD_STAMP := $(OLD_ORBAX)/.installed-stamp
 
 .PHONY: demo test lint format clean bench bench-quick
 
@@ -13,10 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
+$(OLD_STAMP): tests/old_orbax/requirements.txt
+	$(PYTHON) -m venv $(OLD_ORBAX)
+	$(OLD_ORBAX)/bin/pip install --quiet --only-binary=:all: --no-binary=jax \
+		-r tests/old_orbax/requirements.txt
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) lint
+test: $(STAMP) $(OLD_STAMP) lint
 	$(BIN)/pytest
 
 # Side-by-side benchmarks (BENCHMARKS.md, ~20 min on 2 cores); bench-quick: the 64 MiB state
@@ -37,4 +46,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_ORBAX) runs .pytest_cache .ruff_cache

@@ -23,6 +23,7 @@ from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
 from jaxckpt._targets import target_from_flax as target_from_flax
 from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
+from jaxckpt._to_orbax import export_orbax as export_orbax
 from jaxckpt._tree import leaf_name as leaf_name
 
 __version__ = "0.1.0"

@@ -24,7 +24,8 @@ jaxckpt step; one holding `jaxckpt/` without it, or nothing, is a damaged one.
 
 A step folder plain Orbax wrote (`ocp.CheckpointManager`, MaxText) is an Orbax step
 (`OrbaxStep`): named `[<prefix>_]<step>` (digits, zero-padded or not), it holds Orbax items,
-each a folder: a pytree (its `_METADATA` file, any of Orbax's array layouts), grain's
+each a folder: a pytree (its `_METADATA` file, any of Orbax's array layouts; before
+Orbax 0.5, a msgpack `checkpoint` file and a zarr folder per leaf), grain's
 iterator states (`process_<i>-of-<n>.json`, as jaxckpt's data/), or a JSON document.
 A directory that is itself one pytree (`ocp.StandardCheckpointer().save(directory, tree)`)
 is a bare Orbax checkpoint: step 0, one item, "default". jaxckpt reads Orbax steps and
@@ -62,6 +63,7 @@ MANIFEST_PATH = f"{META_DIR}/manifest.json"
 ORBAX_STEP_METADATA, ORBAX_COMMIT_FILE = "_CHECKPOINT_METADATA", "commit_success.txt"
 ORBAX_COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, ORBAX_COMMIT_FILE})
 ORBAX_TREE_FILE = "_METADATA"  # an Orbax pytree item's tree metadata
+ORBAX_LEGACY_FILE = "checkpoint"  # its msgpack tree, in Orbax releases before _METADATA
 ORBAX_JSON_FILE = "metadata"  # ocp.JsonCheckpointHandler's default file
 ORBAX_DEFAULT_ITEM = "default"  # the item of a single-item ocp.CheckpointManager
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -258,7 +260,7 @@ def _item_kind(path: epath.Path) -> str | None:
     if _is_link(path) or not path.is_dir():
         return None
     names = {p.name for p in path.iterdir()}
-    if ORBAX_TREE_FILE in names:
+    if ORBAX_TREE_FILE in names or ORBAX_LEGACY_FILE in names:
         return "pytree"
     if any(DATA_STATE_FILE.fullmatch(n) for n in names):
         return "grain"
@@ -297,10 +299,18 @@ class Listing:
 
     @classmethod
     def of(
-        cls, directory: epath.Path, *, finalized: set[int], uncommitted: set[int], hidden: set[int]
+        cls,
+        directory: epath.Path,
+        *,
+        finalized: set[int],
+        uncommitted: set[int],
+        hidden: set[int],
+        known: Mapping[int, OrbaxStep] | None = None,
     ) -> Listing:
         """Sorts the step folders of `directory`, given the steps Orbax counts committed
-        (`finalized`), its temporary ones, and the steps being deleted (`hidden`)."""
+        (`finalized`), its temporary ones, and the steps being deleted (`hidden`). `known`:
+        the Orbax steps an earlier listing found, not read again while their folder is
+        there (on object storage, a few requests each)."""
         if not directory.exists():  # removed under a reader
             return cls(directory)
         if is_remote(directory):  # an unfinished save sits at its step's path
@@ -316,29 +326,11 @@ class Listing:
             for s in finalized & folders.keys()
             if not _is_link(folders[s]) and (folders[s] / INFO_PATH).exists()
         }
-        orbax: dict[int, OrbaxStep] = {}
-        unreadable: dict[str, str] = {}
-        if (directory / ORBAX_TREE_FILE).exists():  # its folders are its own, not steps
-            entries = []
-            if not own:
-                orbax[0] = OrbaxStep(directory, {ORBAX_DEFAULT_ITEM: "pytree"}, bare=True)
-        for p in sorted(entries, key=lambda p: (step_of(p.name) is None, p.name)):
-            step = orbax_step_of(p.name)
-            canonical = step is not None and folders.get(step) == p
-            if step is None or (canonical and step in own) or (canonical and damage(p)):
-                continue  # not step-like, a jaxckpt step, or a damaged one
-            if step in hidden or not p.is_dir():
-                continue
-            if (step in own or step in orbax) and not canonical:
-                other = folders[step].name if step in own else orbax[step].path.name
-                unreadable[p.name] = f"step {step} is in folder {other} too"
-                continue
-            found = orbax_step(p)
-            if isinstance(found, str):
-                unreadable[p.name] = found
-                continue
-            orbax[step] = found
-            folders.setdefault(step, p)
+        if is_bare(directory):  # its folders are its own, not steps
+            bare = {} if own else {0: OrbaxStep(directory, {ORBAX_DEFAULT_ITEM: "pytree"}, True)}
+            orbax, unreadable = bare, {}
+        else:
+            orbax, unreadable = _orbax_steps(entries, folders, own, hidden, known or {})
         committed = tuple(sorted(own | orbax.keys()))
         return cls(directory, committed, tuple(sorted(uncommitted)), folders, orbax, unreadable)
 
@@ -353,6 +345,44 @@ class Listing:
         if step not in self.committed:
             raise StepNotFoundError(step, self.committed, str(self.directory))
         return step
+
+
+def is_bare(directory: epath.Path) -> bool:
+    """Whether `directory` is itself one Orbax pytree (StandardCheckpointer's), not steps."""
+    return (directory / ORBAX_TREE_FILE).exists() or (directory / ORBAX_LEGACY_FILE).is_file()
+
+
+def _orbax_steps(
+    entries: list[epath.Path],
+    folders: dict[int, epath.Path],
+    own: set[int],
+    hidden: set[int],
+    known: Mapping[int, OrbaxStep],
+) -> tuple[dict[int, OrbaxStep], dict[str, str]]:
+    """The Orbax steps among a directory's `entries` (each added to `folders`), and the
+    step-like folders that are neither theirs nor jaxckpt's, with why."""
+    orbax: dict[int, OrbaxStep] = {}
+    unreadable: dict[str, str] = {}
+    for p in sorted(entries, key=lambda p: (step_of(p.name) is None, p.name)):
+        step = orbax_step_of(p.name)
+        canonical = step is not None and folders.get(step) == p
+        if step is None or (canonical and step in own) or (canonical and damage(p)):
+            continue  # not step-like, a jaxckpt step, or a damaged one
+        if step in hidden or not p.is_dir():
+            continue
+        if (step in own or step in orbax) and not canonical:
+            other = folders[step].name if step in own else orbax[step].path.name
+            unreadable[p.name] = f"step {step} is in folder {other} too"
+            continue
+        found = known.get(step)
+        if found is None or found.path != p:
+            found = orbax_step(p)
+        if isinstance(found, str):
+            unreadable[p.name] = found
+            continue
+        orbax[step] = found
+        folders.setdefault(step, p)
+    return orbax, unreadable
 
 
 def _is_link(path: epath.Path) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -194,11 +195,10 @@ class OrbaxStore:
         )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
-        if not read_only and (self.directory / _layout.ORBAX_TREE_FILE).exists():
+        if not read_only and _layout.is_bare(self.directory):
             raise ConfigError(
-                f"{self.directory} is itself one plain Orbax checkpoint (it holds "
-                f"{_layout.ORBAX_TREE_FILE}), not a directory of steps: open it with "
-                "read_only=True, and save into another directory"
+                f"{self.directory} is itself one plain Orbax checkpoint, not a directory of "
+                "steps: open it with read_only=True, and save into another directory"
             )
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=not read_only,
@@ -255,6 +255,7 @@ class OrbaxStore:
             finalized=set(self._mngr.all_steps()),
             uncommitted={s for n in names if (s := _layout.step_of(n.split(".")[0])) is not None},
             hidden=self._tombstoned(),
+            known=self._orbax_steps,
         )
         self._orbax_steps = dict(listing.orbax)
         return listing
@@ -360,14 +361,17 @@ class OrbaxStore:
         step = info.step
         out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
         to_read = {name: r for name, r in requests.items() if name not in out}
+        # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
+        # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
+        # thousands of leaves under it took 2.5x longer.)
+        batches = read_batches(to_read, self._restore_inflight_bytes)
         if info.orbax is not None:
             item = info.item
             path = info.orbax.item_dir(item)
             tree = _orbax_tree(path)
-        # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
-        # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
-        # thousands of leaves under it took 2.5x longer.)
-        for batch in read_batches(to_read, self._restore_inflight_bytes):
+            if _legacy(path):  # Orbax reads every leaf of such an item on each restore
+                batches = [list(to_read)]
+        for batch in batches:
             with _read_errors(step, item, self.directory):
                 if info.orbax is None:
                     got = self._read_batch(step, item, {n: to_read[n] for n in batch})
@@ -394,6 +398,11 @@ class OrbaxStore:
         storage one `<step>.jaxckpt-tombstone` object is written, which hides the step until
         its objects and then the tombstone are deleted. A writer that lost its lock
         deletes nothing (LockedError)."""
+        if self.is_orbax(step):
+            raise ConfigError(
+                f"step {step} in {self.directory} was written by plain Orbax; jaxckpt never "
+                "deletes such a step (remove its folder yourself if you mean to)"
+            )
         if self._lock is not None:
             self._lock.check()
         if jax.process_index() == 0:
@@ -487,6 +496,15 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
 # --- steps that plain Orbax wrote -------------------------------------------------------
 
 
+def write_plain(out_dir: epath.Path, tree: Any) -> None:
+    """`tree` as a plain Orbax checkpoint at `out_dir`, which must not exist: what
+    `ocp.StandardCheckpointer().save(out_dir, tree)` writes (and Orbax commits atomically),
+    so that `ocp.StandardCheckpointer().restore(out_dir, target)` reads it."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out_dir, tree)
+        checkpointer.wait_until_finished()
+
+
 def _orbax_info(
     directory: epath.Path, step: int, found: _layout.OrbaxStep, item: str | None
 ) -> _layout.StepInfo:
@@ -521,7 +539,40 @@ def _orbax_info(
 
 def _orbax_tree(path: epath.Path) -> Any:
     """The nested tree of an Orbax pytree item, its leaves Orbax's value metadata."""
+    if _legacy(path):
+        return _legacy_tree(path)
     return ocp.PyTreeCheckpointHandler().metadata(path).tree
+
+
+def _legacy(path: epath.Path) -> bool:
+    """An item of an Orbax release before `_METADATA` (0.2-0.4): its tree is the msgpack
+    file `checkpoint`, each leaf a zarr (v2) array of its own, named by its leaf name."""
+    return not (path / _layout.ORBAX_TREE_FILE).exists()
+
+
+def _legacy_tree(path: epath.Path) -> Any:
+    """A legacy item's tree, each array's metadata from its `.zarray`: shape and dtype (no
+    sharding is recorded there). A value stored in the msgpack file itself is left out."""
+    tree = ocp.aggregate_handlers.MsgpackHandler().deserialize(path / _layout.ORBAX_LEGACY_FILE)
+
+    def meta(value: Any) -> Any:
+        if not ocp.utils.leaf_is_placeholder(value):
+            log.warning("Orbax leaf stored in %s/checkpoint itself: jaxckpt skips it", path)
+            return None
+        name = ocp.utils.name_from_leaf_placeholder(value)
+        try:
+            zarray = json.loads((path / name / ".zarray").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{name}/.zarray is unreadable: {e}") from None
+        return ocp.metadata.ArrayMetadata(
+            name=name,
+            directory=path,
+            shape=tuple(zarray["shape"]),
+            sharding=None,
+            dtype=np.dtype(zarray["dtype"]),
+        )
+
+    return jax.tree.map(meta, tree)
 
 
 def _orbax_leaves(tree: Any) -> list[tuple[tuple, Any]]:

@@ -649,13 +649,34 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
 @click.option(
     "--item", help="Of a step plain Orbax wrote, its pytree item (default: its only one)."
 )
+@click.option(
+    "--format",
+    "kind",
+    type=click.Choice(["safetensors", "orbax"]),
+    default="safetensors",
+    show_default=True,
+    help="orbax: the state tree as a plain Orbax checkpoint (ocp.StandardCheckpointer's).",
+)
 @JSON_OPTION
-def export(checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, item, as_json):
-    """Export a checkpoint's state to Hugging Face-style sharded safetensors."""
+def export(
+    checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, item, kind, as_json
+):
+    """Export a checkpoint's state to Hugging Face-style sharded safetensors, or to a plain
+    Orbax checkpoint (--format orbax)."""
     _cpu()
-    from jaxckpt import export_safetensors
+    from jaxckpt import export_orbax, export_safetensors
 
     _need_dir(checkpoint_dir)
+    if kind == "orbax":
+        given = {"--names": names, "--dtype": dtype, "--item": item}
+        if unused := [flag for flag, value in given.items() if value is not None]:
+            raise click.BadParameter(f"{', '.join(unused)}: only with --format safetensors")
+        exported = export_orbax(checkpoint_dir, out_dir, step=step, overwrite=overwrite)
+        if as_json:
+            _json({"step": exported, "out_dir": str(out_dir), "format": "orbax"})
+        else:
+            click.echo(f"exported step {exported} as a plain Orbax checkpoint to {out_dir}")
+        return
     with _progress("export") as update:
         result = export_safetensors(
             checkpoint_dir,

@@ -3,6 +3,9 @@ the real orbax-checkpoint (sharded on 8 CPU devices), then listed, inspected, ex
 restored onto other meshes, and continued in place by jaxckpt, and read back by Orbax."""
 
 import json
+import os
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from multihost import run_job
 
 import jaxckpt
+from conftest import REPO
 from jaxckpt.cli import main
 from jaxckpt.errors import ConfigError, NoCheckpointError, StepExistsError
 
@@ -75,15 +79,47 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+# Written by orbax-checkpoint 0.2.3, the oldest release that runs here, in its own Python
+# (tests/old_orbax): steps 0 and 7, or a bare tree. Its layout differs from today's.
+OLD_ORBAX = REPO / ".venv-orbax-0.2.3" / "bin" / "python"
+OLD = {"orbax-0.2.3-manager": "manager", "orbax-0.2.3-items": "items", "orbax-0.2.3-bare": "bare"}
+
+
+@pytest.fixture(scope="module")
+def old_orbax(tmp_path_factory):
+    out = tmp_path_factory.mktemp("orbax-0.2.3")
+    assert OLD_ORBAX.exists(), f"{OLD_ORBAX} is missing: `make test` installs it"
+    subprocess.run(
+        [str(OLD_ORBAX), str(REPO / "tests" / "old_orbax" / "write.py"), str(out)],
+        check=True,
+        timeout=300,
+        env={"PATH": os.environ["PATH"], "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+    )
+    item = out / "manager" / str(STEP) / "default"
+    assert (item / "checkpoint").is_file() and not (item / "_METADATA").exists()
+    assert (item / "params.params.dense.kernel" / ".zarray").is_file()  # zarr v2, a leaf each
+    assert not (out / "manager" / str(STEP) / "_CHECKPOINT_METADATA").exists()
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS) + sorted(OLD))
 def written(request, tmp_path_factory, mesh):
     """(layout name, directory) of a checkpoint that plain Orbax wrote."""
+    if request.param in OLD:
+        return request.param, request.getfixturevalue("old_orbax") / OLD[request.param]
     directory = tmp_path_factory.mktemp(request.param) / "run"
     return request.param, LAYOUTS[request.param](directory, train_state(mesh))
 
 
+def steps_of(layout):
+    if layout.endswith("bare"):
+        return [0]
+    return [0, STEP] if layout in OLD else [STEP]
+
+
 def step_of(layout):
-    return 0 if layout == "bare" else STEP
+    return steps_of(layout)[-1]
 
 
 def cli(*args):
@@ -99,8 +135,10 @@ def test_ls_lists_the_orbax_step_marked_as_such(written):
     layout, directory = written
     result = cli("ls", "--json", directory)
     assert result.exit_code == 0, result.output
-    (row,) = json.loads(result.output)["steps"]
-    assert row["step"] == step_of(layout) and row["written_by"] == "orbax" and row["latest"]
+    rows = json.loads(result.output)["steps"]
+    assert [r["step"] for r in rows] == steps_of(layout)
+    row = rows[-1]
+    assert row["written_by"] == "orbax" and row["latest"]
     assert row["leaves"] == 8 and "not checksummed" in row["status"]
     assert json.loads(result.output)["unreadable"] == []
 
@@ -124,17 +162,22 @@ def test_inspect_shows_leaves_shapes_dtypes_and_the_saved_sharding(written):
     ]
     kernel = leaves["params.params.dense.kernel"]
     assert kernel["shape"] == [8, 16] and kernel["dtype"] == "float32"
-    assert kernel["sharding"] == {"mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
     text = cli("inspect", directory).output
-    assert "written by plain Orbax" in text and "P('data', 'model') on data=4,model=2" in text
+    assert "written by plain Orbax" in text
+    if layout in OLD:  # Orbax 0.2.3 recorded no sharding
+        assert kernel["sharding"] is None
+        return
+    assert kernel["sharding"] == {"mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
+    assert "P('data', 'model') on data=4,model=2" in text
 
 
 def test_verify_reads_every_array_and_says_it_is_not_checksummed(written):
-    _, directory = written
+    layout, directory = written
     result = cli("verify", "--json", directory)
     assert result.exit_code == 0, result.output
-    (report,) = json.loads(result.output)["steps"]
-    assert report["checksummed"] is False and report["problems"] == []
+    reports = json.loads(result.output)["steps"]
+    assert [r["step"] for r in reports] == steps_of(layout)
+    assert all(r["checksummed"] is False and r["problems"] == [] for r in reports)
     assert "NOT checksummed" in cli("verify", directory).output
 
 
@@ -158,7 +201,7 @@ def test_export_applies_a_name_map_to_the_orbax_leaf_names(written, tmp_path):
 
 def test_plan_onto_another_mesh(written):
     _, directory = written
-    result = cli("plan", "--json", directory, "--mesh", "2x2")
+    result = cli("plan", "--json", directory, "--mesh", "2x2", "--axes", "data,model")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["leaves"] == 8 and doc["mesh"] == {"data": 2, "model": 2}
@@ -172,7 +215,7 @@ def test_read_only_restore_onto_another_mesh_and_onto_one_device(written):
     other = jax.make_mesh((2, 4), ("data", "model"))
     one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
     with jaxckpt.CheckpointManager(directory, read_only=True) as m:
-        assert m.all_steps() == [step_of(layout)]
+        assert m.all_steps() == steps_of(layout)
         restored = m.restore(state=target_on(other, P("model", "data")))
         check_restored(restored.state, other)
         assert restored.step == step_of(layout) and restored.meta is None
@@ -216,9 +259,15 @@ def test_several_pytree_items_must_be_chosen(tmp_path, mesh):
 # ------------------------------------------------------------------------------ switch in place
 
 
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"bare"}))
-def test_a_run_switches_to_jaxckpt_in_place(layout, tmp_path, mesh):
-    directory = LAYOUTS[layout](tmp_path / "run", train_state(mesh))
+@pytest.mark.parametrize(
+    "layout", sorted(set(LAYOUTS) - {"bare"}) + sorted(set(OLD) - {"orbax-0.2.3-bare"})
+)
+def test_a_run_switches_to_jaxckpt_in_place(layout, tmp_path, mesh, request):
+    if layout in OLD:
+        directory = tmp_path / "run"
+        shutil.copytree(request.getfixturevalue("old_orbax") / OLD[layout], directory)
+    else:
+        directory = LAYOUTS[layout](tmp_path / "run", train_state(mesh))
     before = sorted(p.name for p in directory.iterdir())
     retention = jaxckpt.RetentionPolicy(keep_last=1)
     with jaxckpt.CheckpointManager(directory, retention=retention) as m:
@@ -229,10 +278,16 @@ def test_a_run_switches_to_jaxckpt_in_place(layout, tmp_path, mesh):
         for step in (STEP + 1, STEP + 2, STEP + 3):
             m.save(step, state=state)
             m.wait()
-        assert m.all_steps() == [STEP, STEP + 3]  # retention never deletes Orbax's step
+        # retention never deletes Orbax's steps
+        assert m.all_steps() == [*steps_of(layout), STEP + 3]
     with jaxckpt.CheckpointManager(directory, read_only=True) as m:
-        assert m.latest_step() == STEP + 3
+        assert m.latest_step() == STEP + 3 and m.meta(STEP) is None
         check_restored(m.restore(state=target_on(mesh, P())).state, mesh)
+    # The jaxckpt step holds what the Orbax step did, leaf for leaf and value for value.
+    result = cli("diff", directory, STEP, STEP + 3, "--values")
+    assert result.exit_code == 0, result.output
+    result = cli("rm", directory, STEP)
+    assert result.exit_code == 1 and "never deletes such a step" in result.output
     assert set(before) <= {p.name for p in directory.iterdir()}
     # Plain Orbax still lists its own step and restores it.
     options = (
@@ -240,12 +295,12 @@ def test_a_run_switches_to_jaxckpt_in_place(layout, tmp_path, mesh):
         if layout == "prefixed"
         else None
     )
-    names = {"item_names": ("items", "iter")} if layout == "maxtext" else {}
-    with ocp.CheckpointManager(directory, options=options, **names) as m:
+    item = {"maxtext": "items", "orbax-0.2.3-items": "state"}.get(layout)
+    with ocp.CheckpointManager(directory, options=options) as m:
         assert STEP in m.all_steps()
-        if layout == "maxtext":
-            args = ocp.args.Composite(items=ocp.args.PyTreeRestore())
-            got = m.restore(STEP, args=args)["items"]
+        if item:
+            args = ocp.args.Composite(**{item: ocp.args.PyTreeRestore()})
+            got = m.restore(STEP, args=args)[item]
         else:
             got = m.restore(STEP, args=ocp.args.PyTreeRestore())
         kernel = got["params"]["params"]["dense"]["kernel"]
@@ -294,13 +349,13 @@ def test_a_step_orbax_saved_from_two_processes_restores_on_two_and_on_one(tmp_pa
         check_restored(m.restore(state=target_on(mesh, P(None, "model"))).state, mesh)
 
 
-def test_every_layout_restores_on_two_processes(tmp_path, mesh):
+def test_every_layout_restores_on_two_processes(tmp_path, mesh, old_orbax):
     dirs = {
         name: (str(write(tmp_path / name, train_state(mesh))), None)
         for name, write in LAYOUTS.items()
-    }
+    } | {name: (str(old_orbax / folder), None) for name, folder in OLD.items()}
     results = run_job(orbax_written.restore_each, processes=2, devices=4, args={"dirs": dirs})
-    assert [r.report() for r in results] == [{"steps": {n: step_of(n) for n in LAYOUTS}}] * 2
+    assert [r.report() for r in results] == [{"steps": {n: step_of(n) for n in dirs}}] * 2
 
 
 def test_a_two_process_run_switches_in_place(tmp_path):
@@ -331,3 +386,129 @@ def test_an_orbax_step_on_gcs(gcs_dir, mesh):
     (epath.Path(gcs_dir) / str(STEP) / "commit_success.txt").unlink()
     with pytest.raises(NoCheckpointError, match=r"unfinished saves of step\(s\) 7"):
         jaxckpt.CheckpointManager(directory, read_only=True).restore()
+
+
+# ------------------------------------------------------------------------------ no lock-in
+
+
+@pytest.fixture
+def jaxckpt_step(tmp_path, mesh):
+    """A jaxckpt directory whose step 3 holds the MaxText-style state."""
+    directory = tmp_path / "jaxckpt-run"
+    with jaxckpt.CheckpointManager(directory) as m:
+        m.save(3, state=train_state(mesh), rng=jax.random.key(0))
+    return directory
+
+
+def test_export_format_orbax_is_read_by_plain_orbax(jaxckpt_step, tmp_path, mesh):
+    out = tmp_path / "as-orbax"
+    result = cli("export", jaxckpt_step, out, "--format", "orbax")
+    assert result.exit_code == 0, result.output
+    # Without a target the tree is nested dicts and lists: optax's EmptyState is no node.
+    target = target_on(mesh, P("data", "model"))
+    target["opt_state"] = [target["opt_state"][0]._asdict()]
+    with ocp.StandardCheckpointer() as c:
+        restored = c.restore(out, target)
+    np.testing.assert_array_equal(
+        np.asarray(restored["params"]["params"]["dense"]["kernel"]), KERNEL
+    )
+    assert restored["params"]["params"]["dense"]["kernel"].sharding.spec == P("data", "model")
+    assert int(restored["step"]) == STEP
+    # ... and jaxckpt reads it back as a bare Orbax checkpoint.
+    with jaxckpt.CheckpointManager(out, read_only=True) as m:
+        assert m.all_steps() == [0]
+
+
+def test_export_orbax_with_a_target_keeps_its_node_types(jaxckpt_step, tmp_path, mesh):
+    out = tmp_path / "as-orbax"
+    target = target_on(mesh, P("model", "data"))
+    assert jaxckpt.export_orbax(jaxckpt_step, out, state=target) == 3
+    with ocp.StandardCheckpointer() as c:
+        restored = c.restore(out, target)  # the optax state itself, EmptyState included
+    check_restored(restored, mesh)
+    assert type(restored["opt_state"][1]).__name__ == "EmptyState"
+
+
+def test_export_orbax_refuses_an_output_it_would_clobber(jaxckpt_step, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(jaxckpt.errors.OutputExistsError, match="not empty"):
+        jaxckpt.export_orbax(jaxckpt_step, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    for inside in (jaxckpt_step, jaxckpt_step / "sub", jaxckpt_step.parent):
+        with pytest.raises(ConfigError, match="overlaps the checkpoint directory"):
+            jaxckpt.export_orbax(jaxckpt_step, inside, overwrite=True)
+    assert jaxckpt.CheckpointManager(jaxckpt_step, read_only=True).all_steps() == [3]
+    result = cli("export", jaxckpt_step, tmp_path / "x", "--format", "orbax", "--dtype", "bfloat16")
+    assert result.exit_code != 0 and "only with --format safetensors" in result.output
+
+
+def test_plain_orbax_reads_a_jaxckpt_step_directly(jaxckpt_step):
+    # A jaxckpt step is an Orbax step: its state item holds the leaves under their names.
+    with ocp.CheckpointManager(jaxckpt_step) as m:
+        assert m.all_steps() == [3]
+        got = m.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    flat = got["state"]
+    assert "params.params.dense.kernel" in flat and "opt_state.0.mu.params.dense.bias" in flat
+    np.testing.assert_array_equal(np.asarray(flat["params.params.dense.kernel"]), KERNEL)
+
+
+# ------------------------------------------------------------------------------ strict, and hostile
+
+
+def test_an_orbax_step_is_checked_against_the_target_like_a_jaxckpt_step(tmp_path, mesh):
+    directory = maxtext(tmp_path / "run", train_state(mesh))
+    with jaxckpt.CheckpointManager(directory, read_only=True) as m:
+        wrong = target_on(mesh, P())
+        wrong["params"]["params"]["dense"]["bias"] = jax.ShapeDtypeStruct((17,), np.float32)
+        with pytest.raises(jaxckpt.errors.LeafMismatchError, match=r"params\.params\.dense\.bias"):
+            m.restore(state=wrong)
+        params_only = {"params": target_on(mesh, P())["params"]}
+        with pytest.raises(jaxckpt.errors.TreeMismatchError, match="partial=True"):
+            m.restore(state=params_only)
+        restored = m.restore(state=params_only, partial=True).state
+    np.testing.assert_array_equal(
+        np.asarray(restored["params"]["params"]["dense"]["kernel"]), KERNEL
+    )
+
+
+def test_damaged_orbax_files_are_named_never_a_traceback(tmp_path, mesh):
+    directory = single_item(tmp_path / "run", train_state(mesh))
+    (directory / str(STEP) / "default" / "_METADATA").write_text("{not json")
+    with pytest.raises(
+        jaxckpt.errors.CorruptCheckpointError, match="metadata of its item 'default'"
+    ):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+    result = cli("inspect", directory)
+    assert result.exit_code != 0 and "metadata of its item 'default'" in result.output
+
+
+def test_missing_array_data_fails_verify_and_restore(tmp_path, mesh):
+    directory = layout_of(use_ocdbt=False, use_zarr3=True)(tmp_path / "run", train_state(mesh))
+    shutil.rmtree(directory / str(STEP) / "default" / "params.params.dense.kernel")
+    result = cli("verify", directory)
+    assert result.exit_code == 1 and "params.params.dense.kernel" in result.output
+    with pytest.raises(jaxckpt.errors.JaxckptError, match=r"params\.params\.dense\.kernel"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+
+
+def test_links_in_an_orbax_step_are_refused_and_never_followed(tmp_path, mesh):
+    directory = single_item(tmp_path / "run", train_state(mesh))
+    elsewhere = single_item(tmp_path / "elsewhere", train_state(mesh))
+    item = directory / str(STEP) / "default"
+    shutil.rmtree(item)
+    item.symlink_to(elsewhere / str(STEP) / "default")
+    with pytest.raises(NoCheckpointError, match="no Orbax pytree item"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+    # A step folder that is a link is never a step either.
+    shutil.rmtree(directory / str(STEP))
+    (directory / "ckpt_9").symlink_to(elsewhere / str(STEP))
+    with pytest.raises(NoCheckpointError, match="ckpt_9: a symbolic link"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+    # A link deeper inside an item is refused before anything is read.
+    inner = elsewhere / str(STEP) / "default" / "_sharding"
+    inner.unlink()
+    inner.symlink_to(tmp_path / "outside.json")
+    with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match="symbolic link"):
+        jaxckpt.CheckpointManager(elsewhere, read_only=True).restore()

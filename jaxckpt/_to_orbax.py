@@ -1,0 +1,61 @@
+"""Export a step as a plain Orbax checkpoint (`export_orbax`): a run that leaves jaxckpt
+keeps its state in the layout Orbax itself writes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from etils import epath
+
+from jaxckpt import _orbax
+from jaxckpt._manager import CheckpointManager
+from jaxckpt._storage import absolute
+from jaxckpt.errors import ConfigError, OutputExistsError
+
+log = logging.getLogger("jaxckpt")
+
+
+def export_orbax(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    state: Any = None,
+    overwrite: bool = False,
+) -> int:
+    """Writes a step's state tree as the plain Orbax checkpoint `ocp.StandardCheckpointer`
+    writes, which `ocp.StandardCheckpointer().restore(out_dir, target)` reads; returns the
+    step exported. The step is restored first (verified against its manifest), so the
+    whole state passes through this process's memory: on the host without `state`, on the
+    target's devices with it.
+
+    Args:
+      checkpoint_dir: a jaxckpt checkpoint directory (only read).
+      out_dir: the Orbax checkpoint to write; must not exist or be empty, unless `overwrite`.
+      step: the step to export; None for the latest committed one.
+      state: a restore target, as for `CheckpointManager.restore`: the tree is written with
+        its node types (optax states, NNX State), so a target of those types restores it.
+        None: nested dicts and lists of NumPy arrays, which a target of nested dicts and
+        lists restores (empty nodes such as optax's EmptyState are not in it).
+      overwrite: replace a non-empty `out_dir`.
+    """
+    out, source = epath.Path(absolute(out_dir)), epath.Path(absolute(checkpoint_dir))
+    if out == source or source in out.parents or out in source.parents:
+        raise ConfigError(
+            f"the output {out} overlaps the checkpoint directory {source}; export elsewhere"
+        )
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"{out} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    with CheckpointManager(checkpoint_dir, read_only=True) as manager:
+        restored = manager.restore(step, state=state)
+    if out.exists():
+        out.rmtree()
+    _orbax.write_plain(out, restored.state)
+    log.info(
+        "exported step %d of %s to the Orbax checkpoint %s", restored.step, checkpoint_dir, out
+    )
+    return restored.step
