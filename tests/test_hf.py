@@ -377,6 +377,96 @@ def test_llama_map_round_trips_through_a_stacked_tree(mesh, tmp_path):
     np.testing.assert_array_equal(hf_logits(again), hf_logits(hf))
 
 
+# ------------------------------------------------------------------------ reshape and scale
+
+
+@pytest.mark.parametrize(
+    ("reshape", "message"),
+    [
+        ("0, [1, 2]", r"reshape lists the file tensor's axes.*got '0, \[1, 2\]'"),
+        ([], r"reshape lists .*got \[\]"),
+        ([0, []], r"reshape lists .*got \[0, \[\]\]"),
+        ([0, -1], r"reshape lists .*got \[0, -1\]"),
+        ([[0, True]], r"reshape lists .*got \[\[0, True\]\]"),
+    ],
+)
+def test_a_malformed_reshape_is_refused_when_the_map_loads(reshape, message):
+    rule = {"match": "^w$", "name": "weight", "reshape": reshape}
+    with pytest.raises(errors.ConfigError, match=rf"name-map rule 0: {message}"):
+        jaxckpt.NameMap.load({"rules": [rule]})
+
+
+@pytest.mark.parametrize("scale", [0, "2", True, float("inf")])
+def test_a_bad_scale_is_refused_when_the_map_loads(scale):
+    rule = {"match": "^w$", "name": "weight", "scale": scale}
+    with pytest.raises(errors.ConfigError, match=r"rule 0: scale must be a finite non-zero"):
+        jaxckpt.NameMap.load({"rules": [rule]})
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "message"),
+    [
+        (
+            {"reshape": [0, [2, 1]]},
+            errors.NameMapError,
+            r"reshape \[0, \[2, 1\]\] does not fit leaf 'w' \(tensor shape \(4, 2, 3\)\): it "
+            r"must take each axis 0\.\.2 once, in order",
+        ),
+        ({"reshape": [[0, 1]]}, errors.NameMapError, r"reshape \[\[0, 1\]\] does not fit leaf 'w'"),
+        (  # after the split, axes 0..1 are left
+            {"split": 0, "name": "w.{i}", "reshape": [0, 1, 2]},
+            errors.NameMapError,
+            r"reshape \[0, 1, 2\] does not fit leaf 'w' \(tensor shape \(2, 3\)\)",
+        ),
+        (  # the permutation is over the reshaped axes
+            {"reshape": [0, [1, 2]], "transpose": [2, 0, 1]},
+            errors.ConfigError,
+            r"transpose \(2, 0, 1\) does not fit leaf 'w' \(tensor shape \(4, 6\)\)",
+        ),
+        (
+            {"match": "^n$", "scale": 2.0},
+            errors.NameMapError,
+            r"leaf 'n' is int32: only floating-point leaves can be scaled",
+        ),
+    ],
+)
+def test_a_reshape_or_scale_that_does_not_fit_is_refused_everywhere(
+    mesh, tmp_path, rule, error, message
+):
+    state = {"w": np.ones((4, 2, 3), np.float32), "n": np.arange(3, dtype=np.int32)}
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    names = {"rules": [{"match": "^w$", "name": "weight"} | rule, {"match": ".", "drop": True}]}
+    with pytest.raises(error, match=message):
+        jaxckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "out", names=names)
+    live = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in state.items()}
+    with pytest.raises(error, match=message):
+        jaxckpt.save_safetensors(live, tmp_path / "live", names=names)
+    safetensors.numpy.save_file({"weight": np.ones(1, np.float32)}, tmp_path / "x.safetensors")
+    placed = "n" if rule.get("match") == "^n$" else "w"  # a target of the other is dropped
+    with pytest.raises(error, match=message):
+        jaxckpt.load_safetensors(tmp_path / "x.safetensors", {placed: state[placed]}, names=names)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "live").exists()
+
+
+def test_reshape_round_trips_whatever_the_shards_cut(mesh, tmp_path):
+    """Merged axes cut by shards in every way (inside the inner axis, across both, along the
+    outer one): the file is the reshaped leaf, and import puts back the leaf."""
+    x = np.arange(8 * 8 * 6, dtype=np.float32).reshape(8, 8, 6)
+    names = {"rules": [{"match": "^w$", "name": "w", "reshape": [[0, 1], 2]}]}
+    want = x.reshape(64, 6)
+    for spec in (P(None, "data", "model"), P("model", "data"), P(None, ("data", "model")), P()):
+        sharding = NamedSharding(mesh, spec)
+        out = tmp_path / str(spec).replace(" ", "")
+        jaxckpt.save_safetensors({"w": jax.device_put(x, sharding)}, out, names=names)
+        np.testing.assert_array_equal(
+            safetensors.numpy.load_file(out / "model.safetensors")["w"], want
+        )
+        target = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+        loaded = jaxckpt.load_safetensors(out, target, names=names)
+        np.testing.assert_array_equal(np.asarray(loaded["w"]), x)
+
+
 def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
     from children import live_export
     from multihost import run_job
@@ -396,6 +486,8 @@ def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
     np.testing.assert_array_equal(tensors["n"], np.arange(3))
     for i in range(3):
         np.testing.assert_array_equal(tensors[f"layers.{i}.w"], s[i].T)
+    h = rng.standard_normal((2, 8, 3), dtype=np.float32)
+    np.testing.assert_array_equal(tensors["heads"], h.reshape(16, 3).T)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     assert not list(tmp_path.glob(".hf.tmp-*"))
