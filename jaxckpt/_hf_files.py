@@ -8,7 +8,8 @@ write the HF layout into a temporary directory that is renamed into place:
     out_dir/model.safetensors.index.json                    (written last: {"metadata":
                                                              {"total_size": N}, "weight_map"})
 
-Import reads that layout. Every flow maps a leaf to its file tensors with `file_shape`.
+Import reads that layout. Every flow maps a leaf to its file tensors with `file_shape`, and
+a block of a reshaped tensor to blocks of the file's with `reshape_blocks`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,9 +29,9 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _safetensors as st
-from jaxckpt._names import Placement
+from jaxckpt._names import Placement, reshape_text
 from jaxckpt._storage import absolute, is_remote
-from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
+from jaxckpt.errors import ConfigError, NameMapError, OutputExistsError, UnsupportedValueError
 
 log = logging.getLogger("jaxckpt")
 
@@ -119,15 +121,19 @@ def plan(placements, specs, keys, cast, limit, skip_unsupported, get, progress=N
         spec = specs[placed.leaf]
         dtype = np.dtype(spec.dtype)
         dtype = cast if cast is not None and is_float(dtype) else dtype
-        shape = file_shape(placed, spec.shape)
+        shape = file_shape(placed, spec.shape, spec.dtype)
         for i, name in enumerate(placed.names):
 
             def produce(i=i, placed=placed, dtype=dtype):
                 value = get(placed.leaf)
                 if placed.split is not None:
                     value = np.take(value, i, axis=placed.split)
+                if placed.reshape is not None:
+                    value = value.reshape(merged(value.shape, placed.reshape))
                 if placed.transpose is not None:
                     value = value.transpose(placed.transpose)
+                if placed.scale is not None:
+                    value = scaled(value, placed.scale)
                 if progress is not None:
                     done[0] += st.nbytes(dtype, value.shape)
                     progress(done[0], total)
@@ -203,11 +209,20 @@ def publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite
     shutil.rmtree(old, ignore_errors=True)
 
 
-def file_shape(placed: Placement, shape) -> tuple[int, ...]:
-    """The shape of each file tensor a leaf of `shape` becomes (split, then transposed)."""
+def file_shape(placed: Placement, shape, dtype) -> tuple[int, ...]:
+    """The shape of each file tensor a leaf of `shape` becomes (split, reshaped, then
+    transposed); refuses a placement that does not fit the leaf."""
     shape = list(shape)
     if placed.split is not None:
         del shape[placed.split]
+    if placed.reshape is not None:
+        if [a for group in placed.reshape for a in group] != list(range(len(shape))):
+            raise NameMapError(
+                f"reshape {reshape_text(placed.reshape)} does not fit leaf {placed.leaf!r} "
+                f"(tensor shape {tuple(shape)}): it must take each axis 0..{len(shape) - 1} "
+                "once, in order (a list merges consecutive axes)"
+            )
+        shape = list(merged(shape, placed.reshape))
     if placed.transpose is not None:
         if sorted(placed.transpose) != list(range(len(shape))):
             raise ConfigError(
@@ -215,7 +230,69 @@ def file_shape(placed: Placement, shape) -> tuple[int, ...]:
                 f"(tensor shape {tuple(shape)})"
             )
         shape = [shape[a] for a in placed.transpose]
+    if placed.scale is not None and not is_float(np.dtype(dtype)):
+        raise NameMapError(
+            f"leaf {placed.leaf!r} is {np.dtype(dtype)}: only floating-point leaves can be scaled"
+        )
     return tuple(shape)
+
+
+def merged(shape, groups) -> tuple[int, ...]:
+    """`shape` with each group of axes merged into one."""
+    return tuple(math.prod(shape[a] for a in group) for group in groups)
+
+
+def scaled(value: np.ndarray, scale: float) -> np.ndarray:
+    """`value * scale`, rounded once (to the dtype the caller casts to)."""
+    return value.astype(np.float64) * scale
+
+
+def reshape_blocks(groups, index: tuple[slice, ...], shape) -> list[tuple[tuple, tuple]]:
+    """A block `index` (slices with bounds) of a tensor of `shape`, as (block, image) pairs:
+    its parts whose images under the reshape that merges `groups` are blocks too. One part
+    unless a slice cuts inside a merged axis (e.g. head_dim sharded under heads): a block's
+    image is a block when, in each group, the axes after its first longer than 1 are whole."""
+    if groups is None:
+        return [(index, index)]
+    blocks = [index]
+    for group in groups:
+        blocks = [part for block in blocks for part in _cut(block, shape, group)]
+    images = []
+    for block in blocks:
+        image = []
+        for group in groups:
+            start, size = 0, 1
+            for a in group:
+                start = start * shape[a] + block[a].start
+                size *= block[a].stop - block[a].start
+            image.append(slice(start, start + size))
+        images.append((block, tuple(image)))
+    return images
+
+
+def _cut(block: tuple[slice, ...], shape, group) -> list[tuple[slice, ...]]:
+    sizes = [block[a].stop - block[a].start for a in group]
+    partial = [j for j, a in enumerate(group) if sizes[j] != shape[a]]
+    wide = [j for j in range(partial[-1]) if sizes[j] > 1] if partial else []
+    if not wide:
+        return [block]
+    a = group[wide[0]]  # cut into single indices along it: each part then fits
+    return [
+        part
+        for i in range(block[a].start, block[a].stop)
+        for part in _cut((*block[:a], slice(i, i + 1), *block[a + 1 :]), shape, group)
+    ]
+
+
+def within(block: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice, ...]:
+    """`block`, a part of the block `index`, relative to it."""
+    return tuple(
+        slice(b.start - i.start, b.stop - i.start) for b, i in zip(block, index, strict=True)
+    )
+
+
+def lengths(index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in index)
 
 
 def is_float(dtype: np.dtype) -> bool:

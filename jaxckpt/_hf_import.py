@@ -21,7 +21,15 @@ from etils import epath
 from jax import tree_util
 
 from jaxckpt import _safetensors as st
-from jaxckpt._hf_files import INDEX_FILE, SINGLE_FILE, file_shape, is_float
+from jaxckpt._hf_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    file_shape,
+    is_float,
+    lengths,
+    reshape_blocks,
+    within,
+)
 from jaxckpt._names import NameMap, Placement
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt._tree import leaf_name
@@ -83,7 +91,8 @@ def load_safetensors(
         placed = name_map.place(name, leaf.shape)
         if placed is None:
             raise TreeMismatchError(f"the name map drops target leaf {name}; nothing would fill it")
-        want, dtype = file_shape(placed, leaf.shape), np.dtype(leaf.dtype)
+        dtype = np.dtype(leaf.dtype)
+        want = file_shape(placed, leaf.shape, dtype)
         for tensor in placed.names:
             used.add(tensor)
             if tensor not in headers:
@@ -247,13 +256,16 @@ def _check_index(index, by_file: dict[str, set[str]], found: dict[str, dict]) ->
 
 
 def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
+    """Reads each block a device needs: per file tensor (one per layer of a split axis) the
+    blocks of the file the reshape maps it to, transposed back, unmerged, unscaled."""
     dtype = np.dtype(leaf.dtype)
     inverse = None if placed.transpose is None else tuple(np.argsort(placed.transpose))
+    inner = [n for a, n in enumerate(leaf.shape) if a != placed.split]  # one file tensor's
 
-    def read_one(tensor: str, index: tuple[slice, ...]) -> np.ndarray:
+    def read_image(tensor: str, image: tuple[slice, ...]) -> np.ndarray:
         path, info = headers[tensor]
         file_index = (
-            index if placed.transpose is None else tuple(index[a] for a in placed.transpose)
+            image if placed.transpose is None else tuple(image[a] for a in placed.transpose)
         )
         value = (
             np.zeros(info.shape, info.dtype)[file_index]
@@ -262,14 +274,26 @@ def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
         )
         return value if inverse is None else value.transpose(inverse)
 
+    def read_one(tensor: str, index: tuple[slice, ...]) -> np.ndarray:
+        blocks = reshape_blocks(placed.reshape, index, inner)
+        if len(blocks) == 1:
+            return read_image(tensor, blocks[0][1]).reshape(lengths(index))
+        value = np.empty(lengths(index), headers[tensor][1].dtype)
+        for block, image in blocks:
+            value[within(block, index)] = read_image(tensor, image).reshape(lengths(block))
+        return value
+
     def read(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, leaf.shape, strict=True))
         if placed.split is None:
             value = read_one(placed.names[0], index)
         else:
             axis = placed.split
             rest = index[:axis] + index[axis + 1 :]
-            layers = range(*index[axis].indices(leaf.shape[axis]))
+            layers = range(index[axis].start, index[axis].stop)
             value = np.stack([read_one(placed.names[i], rest) for i in layers], axis=axis)
+        if placed.scale is not None:
+            value = value.astype(np.float64) / placed.scale
         return value.astype(dtype, copy=False)
 
     if isinstance(leaf, np.ndarray):

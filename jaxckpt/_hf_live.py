@@ -92,7 +92,8 @@ def save_safetensors(
 
     def write_leaf(placed: Placement) -> None:
         pieces = _local_pieces(leaves[placed.leaf], primary)
-        if placed.split is None and placed.transpose is None:
+        plain = (placed.split, placed.transpose, placed.reshape, placed.scale) == (None,) * 4
+        if plain:
             # The common case: the shards' rows go to the file with gathered writes, no copy.
             f, offset, tensor = where[placed.names[0]]
             rows: dict[tuple, list] = {}  # pieces by their rows (all axes but the last)
@@ -108,7 +109,9 @@ def save_safetensors(
         for axis in reversed(range(len(pieces[0][0]) if pieces else 0)):
             pieces = _join_along(pieces, axis)  # the rest: larger blocks, fewer writes
         for index, data in pieces:
-            for name, region, piece in _to_tensors(placed, index, data):
+            for name, region, piece in _to_tensors(
+                placed, index, data, np.shape(leaves[placed.leaf])
+            ):
                 f, offset, tensor = where[name]
                 piece = piece.astype(tensor.dtype, copy=False)
                 st.write_region(fds[f], offset, tensor.shape, region, piece)
@@ -171,8 +174,8 @@ def _join_along(pieces: list, axis: int) -> list:
     return joined
 
 
-def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray):
-    """Maps a piece of a leaf onto its file tensors: (tensor name, region, data)."""
+def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray, shape):
+    """Maps a piece of a leaf of `shape` onto its file tensors: (tensor name, region, data)."""
     pieces = []
     if placed.split is None:
         pieces.append((placed.names[0], index, data))
@@ -182,9 +185,18 @@ def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray):
         rest = index[:axis] + index[axis + 1 :]
         for j in range(data.shape[axis]):
             pieces.append((placed.names[start + j], rest, np.take(data, j, axis=axis)))
+    if placed.reshape is not None:
+        inner = [n for a, n in enumerate(shape) if a != placed.split]
+        pieces = [
+            (n, image, d[_hf_files.within(block, r)].reshape(_hf_files.lengths(image)))
+            for n, r, d in pieces
+            for block, image in _hf_files.reshape_blocks(placed.reshape, r, inner)
+        ]
     if placed.transpose is not None:
         pieces = [
             (n, tuple(r[a] for a in placed.transpose), d.transpose(placed.transpose))
             for n, r, d in pieces
         ]
+    if placed.scale is not None:
+        pieces = [(n, r, _hf_files.scaled(d, placed.scale)) for n, r, d in pieces]
     return pieces

@@ -14,24 +14,37 @@ A leaf's name is its tree path joined with dots, as stored in the checkpoint
       - match: '^layers\\.mlp\\.kernel\\.value$'
         name: 'model.layers.{i}.mlp.weight'
         split: 0                      # optional: a stacked (scanned) axis; one tensor per index i
+      - match: '^attn\\.query\\.kernel$'       # (embed, layers, heads, head_dim)
+        name: 'model.layers.{i}.q_proj.weight'
+        split: 1
+        reshape: [0, [1, 2]]          # optional: file axes, each merging leaf axes in order
+        transpose: [1, 0]
+        scale: 11.313708498984761     # optional: multiply floats by it (import divides)
       - match: '^rngs\\.'
         drop: true                    # optional: never exported
 
 Patterns are searched (anchor them with ^ and $). With no map at all, names stay as they
 are; with a map, a leaf that no rule matches is an error naming it (add a rule, a drop rule,
-or narrow `include`). `split` applies before `transpose`, whose permutation is over the
-axes of each split tensor. Maps load from YAML files (configs/hf/).
+or narrow `include`). On export a leaf becomes its tensors in this order: `split` (one
+tensor per index of that axis), `reshape` (each entry is a file axis: a leaf axis, or a list
+of consecutive leaf axes merged into one in C order, as `np.reshape` merges them; every axis
+once, in order), `transpose` (a permutation of the reshaped axes), `scale`. Import undoes
+them in reverse, the merged axes' sizes taken from the target leaf. Maps load from YAML
+files (configs/hf/).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxckpt.errors import ConfigError, NameMapError
+
+_OPTIONS = ("transpose", "split", "drop", "reshape", "scale")  # a rule's keys besides match, name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +54,8 @@ class Rule:
     transpose: tuple[int, ...] | None = None
     split: int | None = None
     drop: bool = False
+    reshape: tuple[tuple[int, ...], ...] | None = None
+    scale: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +66,8 @@ class Placement:
     names: tuple[str, ...]
     transpose: tuple[int, ...] | None
     split: int | None
+    reshape: tuple[tuple[int, ...], ...] | None = None  # leaf axes merged into each file axis
+    scale: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +98,10 @@ class NameMap:
             )
         rules = []
         for i, raw in enumerate(source.get("rules") or []):
-            if "match" not in raw or set(raw) - {"match", "name", "transpose", "split", "drop"}:
+            if "match" not in raw or set(raw) - {"match", "name", *_OPTIONS}:
                 raise ConfigError(
                     f"name-map rule {i} ({raw!r}) needs 'match' and may have only name, "
-                    "transpose, split, drop"
+                    + ", ".join(_OPTIONS)
                 )
             if not raw.get("drop") and raw.get("name") is None:
                 raise ConfigError(
@@ -99,6 +116,8 @@ class NameMap:
                     transpose=tuple(raw["transpose"]) if raw.get("transpose") else None,
                     split=raw.get("split"),
                     drop=bool(raw.get("drop", False)),
+                    reshape=_groups(raw.get("reshape"), i),
+                    scale=_scale(raw.get("scale"), i),
                 )
             )
         include = source.get("include")
@@ -114,14 +133,15 @@ class NameMap:
             if rule.drop:
                 return None
             name = m.expand(rule.name)
+            how = {"transpose": rule.transpose, "reshape": rule.reshape, "scale": rule.scale}
             if rule.split is None:
-                return Placement(leaf, (name,), rule.transpose, None)
+                return Placement(leaf, (name,), split=None, **how)
             if not 0 <= rule.split < len(shape):
                 raise NameMapError(
                     f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
                 )
             names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
-            return Placement(leaf, names, rule.transpose, rule.split)
+            return Placement(leaf, names, split=rule.split, **how)
         if self.rules:
             raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
         return Placement(leaf, (leaf,), None, None)
@@ -153,6 +173,37 @@ class NameMap:
                 "a 'drop: true' rule, or narrow 'include'."
             )
         return placements
+
+
+def reshape_text(groups: tuple[tuple[int, ...], ...]) -> str:
+    """A reshape as written in a map: [0, [1, 2]]."""
+    return "[" + ", ".join(str(g[0]) if len(g) == 1 else str(list(g)) for g in groups) + "]"
+
+
+def _groups(raw: Any, i: int) -> tuple[tuple[int, ...], ...] | None:
+    """A rule's `reshape`: each entry an axis or a non-empty list of axes."""
+    if raw is None:
+        return None
+
+    def axis(a: Any) -> bool:
+        return isinstance(a, int) and not isinstance(a, bool) and a >= 0
+
+    groups = [[g] if axis(g) else g for g in raw] if isinstance(raw, list) and raw else None
+    if groups is None or not all(isinstance(g, list) and g and all(map(axis, g)) for g in groups):
+        raise ConfigError(
+            f"name-map rule {i}: reshape lists the file tensor's axes, each a leaf axis or a "
+            f"list of leaf axes merged into one (e.g. [0, [1, 2]]); got {raw!r}"
+        )
+    return tuple(tuple(g) for g in groups)
+
+
+def _scale(raw: Any, i: int) -> float | None:
+    if raw is None:
+        return None
+    number = isinstance(raw, int | float) and not isinstance(raw, bool)
+    if not (number and math.isfinite(raw) and raw):
+        raise ConfigError(f"name-map rule {i}: scale must be a finite non-zero number, got {raw!r}")
+    return float(raw)
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:

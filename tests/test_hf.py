@@ -377,6 +377,264 @@ def test_llama_map_round_trips_through_a_stacked_tree(mesh, tmp_path):
     np.testing.assert_array_equal(hf_logits(again), hf_logits(hf))
 
 
+# --------------------------------------------------------------------------- MaxText Llama 2
+
+MAXTEXT_MAP = "configs/hf/maxtext-llama.yaml"
+# Llama 2's head_dim (the map's scale is its square root), in a tiny model; GQA (2 heads, 1
+# kv head) as in Llama-2-70b.
+MAXTEXT_CFG = dict(
+    vocab_size=128,
+    hidden_size=256,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
+
+
+def maxtext_from_hf(hf: dict[str, np.ndarray], config) -> dict:
+    """HF Llama weights in MaxText's layout, as MaxText converts them:
+    AI-Hypercomputer/maxtext (e591f30) src/maxtext/checkpoint_conversion/standalone_scripts/
+    llama_or_mistral_ckpt.py, `_convert_huggingface_to_jax_weights` for a llama2 model: HF
+    names renamed at 281-300 (up_proj is its "w2", down_proj its "w3"), no RoPE permutation
+    (764-766: llama3.1 only). One difference: it casts to bfloat16 (CAST_DTYPE, 197); here
+    float32 stays, so the comparison can be exact."""
+    L, H, K = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    D = config.head_dim
+    E = H * D  # the script's `base_num_query_heads * head_dim`
+
+    def layers(name, f):  # stacked (L, ...), as the script fills `stack_shape + w.shape`
+        return np.stack([f(hf[f"model.layers.{i}.{name}.weight"]) for i in range(L)])
+
+    attention = {  # 756-805: (out, in).T reshaped, layers moved to axis 1
+        "query": layers("self_attn.q_proj", lambda w: w.T.reshape(E, H, D)),
+        "key": layers("self_attn.k_proj", lambda w: w.T.reshape(E, K, D)),
+        "value": layers("self_attn.v_proj", lambda w: w.T.reshape(E, K, D)),
+    }
+    attention = {k: {"kernel": v.transpose(1, 0, 2, 3)} for k, v in attention.items()}
+    out = layers("self_attn.o_proj", lambda w: w.reshape(E, H, D))  # 768-770: not transposed
+    attention["out"] = {"kernel": out.transpose(2, 0, 3, 1)}  # 803-805: (H, L, D, E)
+    query = attention["query"]["kernel"]  # 807-810: the query scaled by 1/sqrt(head_dim)
+    attention["query"]["kernel"] = query / np.sqrt(D).astype(query.dtype)
+    mlp = {  # 877-905, 1036-1038
+        "wi_0": layers("mlp.gate_proj", np.transpose),
+        "wi_1": layers("mlp.up_proj", np.transpose),
+        "wo": layers("mlp.down_proj", np.transpose),
+    }
+    return {
+        "decoder": {
+            "layers": {
+                "self_attention": attention,
+                "mlp": {k: {"kernel": v.transpose(1, 0, 2)} for k, v in mlp.items()},
+                # 829-856: (L, d) -> (d, L)
+                "pre_self_attention_layer_norm": {"scale": layers("input_layernorm", np.copy).T},
+                "post_self_attention_layer_norm": {
+                    "scale": layers("post_attention_layernorm", np.copy).T
+                },
+            },
+            "decoder_norm": {"scale": hf["model.norm.weight"]},  # 715
+            "logits_dense": {"kernel": hf["lm_head.weight"].T},  # 723-725
+        },
+        "token_embedder": {"embedding": hf["model.embed_tokens.weight"]},  # 737-739
+    }
+
+
+# Sharded as a MaxText run might be, and so that shards cut inside merged axes (head_dim under
+# heads): the reads and live writes of those tensors are made of several blocks.
+MAXTEXT_SPECS = {
+    "query": P("data", None, None, "model"),
+    "key": P(None, None, None, "model"),
+    "value": P("data", None, None, None),
+    "out": P(None, None, "model", "data"),
+}
+
+
+def maxtext_spec(path, x):
+    name = jax.tree_util.keystr(path)
+    for key, spec in MAXTEXT_SPECS.items():
+        if f"'{key}'" in name:
+            return spec
+    return P("data") if x.shape[0] % 4 == 0 else P()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A random tiny Llama: (model, its weights as NumPy, its config)."""
+    config = transformers.LlamaConfig(**MAXTEXT_CFG)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    return hf, {k: v.detach().numpy() for k, v in hf.state_dict().items()}, config
+
+
+def test_maxtext_checkpoint_exports_to_llama_with_the_same_logits(tiny_llama, mesh, tmp_path):
+    # HF weights -> MaxText's layout (as its conversion script does) on the mesh -> saved by
+    # plain Orbax as MaxText saves -> exported with the shipped map -> LlamaForCausalLM.
+    import optax
+    import orbax.checkpoint as ocp
+
+    hf, weights, config = tiny_llama
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.device_put(x, NamedSharding(mesh, maxtext_spec(p, x))),
+        maxtext_from_hf(weights, config),
+    )
+    state = {
+        "params": {"params": params},
+        "opt_state": optax.adam(1e-3).init({"params": params}),
+        "step": 0,
+    }
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("items",)) as m:
+        m.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(state)))
+
+    out = tmp_path / "out"
+    result = jaxckpt.export_safetensors(
+        tmp_path / "ckpt", out, names=MAXTEXT_MAP, max_shard_size="600KB"
+    )
+    assert len(result.files) > 1 and result.tensors == len(weights)  # no opt_state, no step
+    tensors = {}
+    for f in result.files:
+        tensors |= safetensors.numpy.load_file(out / f)
+    assert sorted(tensors) == sorted(weights)
+    for name, value in weights.items():
+        if ".q_proj." in name:
+            # The conversion divided by sqrt(128) in float32, the export multiplies by it in
+            # float64: each rounding is exact to half an ulp, the two together to one ulp.
+            np.testing.assert_array_max_ulp(tensors[name], value, maxulp=1)
+        else:
+            np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+    (out / "config.json").write_text(config.to_json_string())
+    again = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    # Not bitwise only through the query weights' last bits (above); every other weight is.
+    np.testing.assert_allclose(hf_logits(again), hf_logits(hf), rtol=0, atol=2e-6)
+
+    # The live export of the same sharded tree writes the same tensors, block by block.
+    live = jaxckpt.save_safetensors(state, tmp_path / "live", names=MAXTEXT_MAP)
+    got = safetensors.numpy.load_file(tmp_path / "live" / "model.safetensors")
+    assert live.tensors == len(weights) and sorted(got) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_llama_loads_onto_a_maxtext_tree_on_a_mesh(tiny_llama, mesh, tmp_path):
+    hf, weights, config = tiny_llama
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="300KB")
+    expected = {"params": {"params": maxtext_from_hf(weights, config)}}
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, maxtext_spec(p, x))
+        ),
+        expected,
+    )
+    loaded = jaxckpt.load_safetensors(tmp_path / "hf", target, names=MAXTEXT_MAP)
+    query = loaded["params"]["params"]["decoder"]["layers"]["self_attention"]["query"]["kernel"]
+    assert query.sharding == NamedSharding(mesh, MAXTEXT_SPECS["query"])
+
+    def check(path, got, want):
+        got = np.asarray(got)
+        if "'query'" in jax.tree_util.keystr(path):  # divided in float32 there, float64 here
+            np.testing.assert_array_max_ulp(got, want, maxulp=1)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+
+    jax.tree_util.tree_map_with_path(check, loaded, expected)
+    # On the host too (NumPy leaves: the whole tensor in one read).
+    on_host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), expected)
+    host = jaxckpt.load_safetensors(tmp_path / "hf", on_host, names=MAXTEXT_MAP)
+    jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(loaded))
+
+
+# ------------------------------------------------------------------------ reshape and scale
+
+
+@pytest.mark.parametrize(
+    ("reshape", "message"),
+    [
+        ("0, [1, 2]", r"reshape lists the file tensor's axes.*got '0, \[1, 2\]'"),
+        ([], r"reshape lists .*got \[\]"),
+        ([0, []], r"reshape lists .*got \[0, \[\]\]"),
+        ([0, -1], r"reshape lists .*got \[0, -1\]"),
+        ([[0, True]], r"reshape lists .*got \[\[0, True\]\]"),
+    ],
+)
+def test_a_malformed_reshape_is_refused_when_the_map_loads(reshape, message):
+    rule = {"match": "^w$", "name": "weight", "reshape": reshape}
+    with pytest.raises(errors.ConfigError, match=rf"name-map rule 0: {message}"):
+        jaxckpt.NameMap.load({"rules": [rule]})
+
+
+@pytest.mark.parametrize("scale", [0, "2", True, float("inf")])
+def test_a_bad_scale_is_refused_when_the_map_loads(scale):
+    rule = {"match": "^w$", "name": "weight", "scale": scale}
+    with pytest.raises(errors.ConfigError, match=r"rule 0: scale must be a finite non-zero"):
+        jaxckpt.NameMap.load({"rules": [rule]})
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "message"),
+    [
+        (
+            {"reshape": [0, [2, 1]]},
+            errors.NameMapError,
+            r"reshape \[0, \[2, 1\]\] does not fit leaf 'w' \(tensor shape \(4, 2, 3\)\): it "
+            r"must take each axis 0\.\.2 once, in order",
+        ),
+        ({"reshape": [[0, 1]]}, errors.NameMapError, r"reshape \[\[0, 1\]\] does not fit leaf 'w'"),
+        (  # after the split, axes 0..1 are left
+            {"split": 0, "name": "w.{i}", "reshape": [0, 1, 2]},
+            errors.NameMapError,
+            r"reshape \[0, 1, 2\] does not fit leaf 'w' \(tensor shape \(2, 3\)\)",
+        ),
+        (  # the permutation is over the reshaped axes
+            {"reshape": [0, [1, 2]], "transpose": [2, 0, 1]},
+            errors.ConfigError,
+            r"transpose \(2, 0, 1\) does not fit leaf 'w' \(tensor shape \(4, 6\)\)",
+        ),
+        (
+            {"match": "^n$", "scale": 2.0},
+            errors.NameMapError,
+            r"leaf 'n' is int32: only floating-point leaves can be scaled",
+        ),
+    ],
+)
+def test_a_reshape_or_scale_that_does_not_fit_is_refused_everywhere(
+    mesh, tmp_path, rule, error, message
+):
+    state = {"w": np.ones((4, 2, 3), np.float32), "n": np.arange(3, dtype=np.int32)}
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    names = {"rules": [{"match": "^w$", "name": "weight"} | rule, {"match": ".", "drop": True}]}
+    with pytest.raises(error, match=message):
+        jaxckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "out", names=names)
+    live = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in state.items()}
+    with pytest.raises(error, match=message):
+        jaxckpt.save_safetensors(live, tmp_path / "live", names=names)
+    safetensors.numpy.save_file({"weight": np.ones(1, np.float32)}, tmp_path / "x.safetensors")
+    placed = "n" if rule.get("match") == "^n$" else "w"  # a target of the other is dropped
+    with pytest.raises(error, match=message):
+        jaxckpt.load_safetensors(tmp_path / "x.safetensors", {placed: state[placed]}, names=names)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "live").exists()
+
+
+def test_reshape_round_trips_whatever_the_shards_cut(mesh, tmp_path):
+    """Merged axes cut by shards in every way (inside the inner axis, across both, along the
+    outer one): the file is the reshaped leaf, and import puts back the leaf."""
+    x = np.arange(8 * 8 * 6, dtype=np.float32).reshape(8, 8, 6)
+    names = {"rules": [{"match": "^w$", "name": "w", "reshape": [[0, 1], 2]}]}
+    want = x.reshape(64, 6)
+    for spec in (P(None, "data", "model"), P("model", "data"), P(None, ("data", "model")), P()):
+        sharding = NamedSharding(mesh, spec)
+        out = tmp_path / str(spec).replace(" ", "")
+        jaxckpt.save_safetensors({"w": jax.device_put(x, sharding)}, out, names=names)
+        np.testing.assert_array_equal(
+            safetensors.numpy.load_file(out / "model.safetensors")["w"], want
+        )
+        target = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+        loaded = jaxckpt.load_safetensors(out, target, names=names)
+        np.testing.assert_array_equal(np.asarray(loaded["w"]), x)
+
+
 def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
     from children import live_export
     from multihost import run_job
@@ -396,6 +654,8 @@ def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
     np.testing.assert_array_equal(tensors["n"], np.arange(3))
     for i in range(3):
         np.testing.assert_array_equal(tensors[f"layers.{i}.w"], s[i].T)
+    h = rng.standard_normal((2, 8, 3), dtype=np.float32)
+    np.testing.assert_array_equal(tensors["heads"], h.reshape(16, 3).T)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     assert not list(tmp_path.glob(".hf.tmp-*"))

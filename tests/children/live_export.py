@@ -14,6 +14,7 @@ def save_sharded(job: Job) -> dict:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 6), dtype=np.float32)
     s = rng.standard_normal((3, 4, 6), dtype=np.float32)
+    h = rng.standard_normal((2, 8, 3), dtype=np.float32)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
     def put(x, spec):
@@ -25,10 +26,13 @@ def save_sharded(job: Job) -> dict:
         "rep": put(w, P()),
         "stack": put(s, P(None, "model", None)),
         "n": np.arange(3),
+        # Each process holds half of axis 1: its block cuts inside the merged axes (0, 1).
+        "heads": put(h, P(None, "data")),
     }
     names = {
         "rules": [
             {"match": "^stack$", "name": "layers.{i}.w", "split": 0, "transpose": [1, 0]},
+            {"match": "^heads$", "name": "heads", "reshape": [[0, 1], 2], "transpose": [1, 0]},
             {"match": "^(w|col|rep|n)$", "name": r"\1"},
         ]
     }
