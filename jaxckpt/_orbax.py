@@ -8,6 +8,7 @@ step is on disk is `jaxckpt._layout`'s.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -26,7 +27,7 @@ from jaxckpt import _integrity, _layout
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote
-from jaxckpt._tree import ARRAY, PYTHON, LeafSpec, ReadRequest, leaf_name
+from jaxckpt._tree import ARRAY, KEY, PYTHON, LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -91,6 +92,23 @@ def _array_metadata_store() -> Any:
     from orbax.checkpoint._src.metadata import array_metadata_store
 
     return array_metadata_store.Store()
+
+
+def _key_impls(item_dir: epath.Path) -> dict[str, str]:
+    """The PRNG impl of each typed-key leaf of a plain Orbax pytree item, by leaf name:
+    Orbax records it in the item's per-process ArrayMetadata (`array_metadatas/`), not in
+    its tree metadata, which has the key data's uint32 shape only."""
+    if not (item_dir / "array_metadatas").exists():
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # whatever loop the caller runs
+        found = pool.submit(asyncio.run, _array_metadata_store().read(item_dir)).result()
+    per_process = found.values() if isinstance(found, dict) else [found or []]
+    return {
+        m.param_name: m.ext_metadata["random_key_impl"]
+        for metas in per_process
+        for m in metas
+        if (m.ext_metadata or {}).get("random_key_impl")
+    }
 
 
 # Recorded (jax.monitoring) in Orbax's background save once this process's arrays of a step
@@ -527,7 +545,8 @@ def _orbax_info(
         first = (str(e).strip().splitlines() or [""])[0][:300]
         problem = f"Orbax cannot read the metadata of its item {item!r}: {first}"
         raise CorruptCheckpointError(step, [problem], str(directory)) from None
-    specs = [_orbax_spec(path, meta) for path, meta in _orbax_leaves(tree)]
+    impls = _key_impls(found.item_dir(item))
+    specs = [_orbax_spec(path, meta, impls) for path, meta in _orbax_leaves(tree)]
     return _layout.StepInfo(
         step=step,
         state=tuple(s for s in specs if s is not None),
@@ -581,14 +600,19 @@ def _orbax_leaves(tree: Any) -> list[tuple[tuple, Any]]:
     return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def _orbax_spec(path: tuple, meta: Any) -> LeafSpec | None:
+def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | None:
     """The LeafSpec of one leaf of Orbax's metadata (None: a string leaf, which jaxckpt
-    does not restore, logged)."""
+    does not restore, logged); a typed PRNG key (its impl in `impls`) is a KEY leaf."""
+    name = leaf_name(path)
     if not isinstance(meta, ocp.metadata.ArrayMetadata):
-        name, kind = leaf_name(path), type(meta).__name__
-        log.warning("Orbax leaf %s is a %s: jaxckpt skips it", name, kind)
+        log.warning("Orbax leaf %s is a %s: jaxckpt skips it", name, type(meta).__name__)
         return None
     kind = PYTHON if isinstance(meta, ocp.metadata.ScalarMetadata) else ARRAY
+    shape, dtype, impl = tuple(meta.shape), meta.dtype, impls.get(name)
+    if impl is not None:  # Orbax's metadata has the key data: (*shape, *impl's own dims)
+        key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+        own = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+        kind, shape, dtype = KEY, shape[: len(shape) - len(own)], str(key.dtype)
     sharding = None
     if isinstance(meta.sharding, ocp.metadata.NamedShardingMetadata):
         spec = [list(e) if isinstance(e, tuple) else e for e in meta.sharding.partition_spec]
@@ -596,7 +620,7 @@ def _orbax_spec(path: tuple, meta: Any) -> LeafSpec | None:
         sharding = {"mesh": mesh, "spec": spec}
     elif isinstance(meta.sharding, ocp.metadata.SingleDeviceShardingMetadata):
         sharding = {"devices": 1}
-    return LeafSpec.at(path, meta.shape, meta.dtype, kind=kind, sharding=sharding)
+    return LeafSpec.at(path, shape, dtype, kind=kind, key_impl=impl, sharding=sharding)
 
 
 def _read_orbax_batch(
@@ -626,6 +650,8 @@ def _read_orbax_batch(
     values = jax.tree_util.tree_leaves(got, is_leaf=lambda x: x is ocp.PLACEHOLDER)
     out = {}
     for name, value in zip(names, values, strict=True):
+        if jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
+            value = jax.random.key_data(value)  # Orbax wraps typed keys; jaxckpt reads data
         if name in scalar and name in batch:  # Orbax hands back a Python or NumPy scalar
             value = np.asarray(value, batch[name].dtype)
             if batch[name].sharding is not None:

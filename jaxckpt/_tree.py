@@ -59,9 +59,11 @@ class LeafSpec:
 
     @classmethod
     def at(cls, path: tuple, shape: tuple[int, ...], dtype: Any, **fields: Any) -> LeafSpec:
-        """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved)."""
+        """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved); `dtype`
+        a NumPy dtype, or a key dtype's name (`key<fry>`)."""
         entries = _entries(path)
-        return cls(_name(entries), entries, tuple(shape), _dtype_name(dtype), **fields)
+        dtype = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+        return cls(_name(entries), entries, tuple(shape), dtype, **fields)
 
     @property
     def display(self) -> str:

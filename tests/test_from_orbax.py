@@ -512,3 +512,32 @@ def test_links_in_an_orbax_step_are_refused_and_never_followed(tmp_path, mesh):
     inner.symlink_to(tmp_path / "outside.json")
     with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match="symbolic link"):
         jaxckpt.CheckpointManager(elsewhere, read_only=True).restore()
+
+
+def test_typed_and_raw_prng_keys_orbax_saved_come_back_as_saved(tmp_path, mesh):
+    keys = {
+        "dropout": jax.random.key(3),
+        "rbg": jax.random.key(4, impl="rbg"),
+        "raw": jax.random.PRNGKey(5),
+        "w": jnp.ones(2),
+    }
+    directory = single_item(tmp_path / "run", keys)
+    inspected = {
+        x["name"]: x for x in json.loads(cli("inspect", "--json", directory).output)["leaves"]
+    }
+    assert inspected["dropout"]["dtype"] == "key<fry>" and inspected["dropout"]["shape"] == []
+    assert inspected["rbg"]["key_impl"] == "rbg" and inspected["raw"]["dtype"] == "uint32"
+    target = {
+        "dropout": jax.random.key(0),
+        "rbg": jax.random.key(0, impl="rbg"),
+        "raw": jax.random.PRNGKey(0),
+        "w": jnp.zeros(2),
+    }
+    with jaxckpt.CheckpointManager(directory, read_only=True) as m:
+        restored = m.restore(state=target).state
+    for name in ("dropout", "rbg"):
+        assert restored[name].dtype == keys[name].dtype
+        np.testing.assert_array_equal(
+            jax.random.key_data(restored[name]), jax.random.key_data(keys[name])
+        )
+    np.testing.assert_array_equal(restored["raw"], keys["raw"])

@@ -46,3 +46,15 @@ def test_unfinished_saves_are_listed_by_orbax(tmp_path):
     (tmp_path / "3.orbax-checkpoint-tmp").mkdir()
     (tmp_path / "4").mkdir()
     assert ocp.path.step.tmp_checkpoints(tmp_path) == ["3.orbax-checkpoint-tmp"]
+
+
+def test_orbax_records_a_typed_keys_impl_in_its_array_metadata(tmp_path):
+    import jax
+
+    with ocp.CheckpointManager(tmp_path) as m:
+        m.save(1, args=ocp.args.StandardSave({"k": jax.random.key(0, impl="rbg"), "w": np.ones(2)}))
+    impls = _orbax._key_impls(tmp_path / "1" / "default")
+    assert impls == {"k": "rbg"}, (
+        f"Orbax's array_metadatas/ no longer name a typed key's impl as ext_metadata "
+        f"random_key_impl (found {impls}): update _orbax._key_impls"
+    )
