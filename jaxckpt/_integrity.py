@@ -249,7 +249,7 @@ def verify(
             if step is not None and s != step:
                 continue
             if s in listing.orbax:
-                reports.append(_read_whole(store, s, progress))
+                reports.append(_read_whole(store, s, listing.orbax[s], progress))
             elif s in listing.committed:
                 reports.append(verify_step(listing.folders[s], s, progress=progress))
             elif s in listing.damaged:
@@ -261,13 +261,15 @@ def verify(
     return reports
 
 
-def _read_whole(store: Any, step: int, progress: Progress | None) -> StepReport:
+def _read_whole(
+    store: Any, step: int, found: _layout.OrbaxStep, progress: Progress | None
+) -> StepReport:
     """What can be checked of a step plain Orbax wrote: each pytree item's metadata, and
     every array read whole to the host (one batch at a time), as Orbax reads it."""
+    from jaxckpt._orbax import missing_chunks
     from jaxckpt._plan import read_batches
     from jaxckpt._tree import uniform_requests
 
-    found = store.scan().orbax[step]
     problems, leaves, total = [], 0, 0
     for item in found.items_of("pytree"):
         try:
@@ -275,6 +277,7 @@ def _read_whole(store: Any, step: int, progress: Progress | None) -> StepReport:
         except CorruptCheckpointError as e:
             problems.extend(e.problems)
             continue
+        problems.extend(f"item {item}: {p}" for p in missing_chunks(found.item_dir(item)))
         requests = uniform_requests(info.state, None)
         sizes = {s.name: s.nbytes for s in info.state}
         size, done = sum(sizes.values()), 0

@@ -106,7 +106,8 @@ class StepInfo:
     step: int
     state: tuple[LeafSpec, ...]
     rng: tuple[LeafSpec, ...] = ()
-    data: str | None = None  # the data-iterator state's kind: "json", "bytes" or None
+    # the data-iterator state's kind: "json", "bytes", "grain" (an Orbax step's) or None
+    data: str | None = None
     meta: Any = None  # the user's meta=
     # The rng tree's node types a restore without an rng= target cannot rebuild (nnx.Rngs).
     rng_node_types: tuple[str, ...] = ()
@@ -246,12 +247,9 @@ def orbax_step(path: epath.Path) -> OrbaxStep | str:
         return f"no {ORBAX_COMMIT_FILE}: an Orbax save on object storage that never finished"
     items = {p.name: _item_kind(p) for p in entries if p.name not in names & ORBAX_COMMIT_FILES}
     items = {name: kind for name, kind in items.items() if kind is not None}
-    if not any(kind in ("pytree", "grain") for kind in items.values()):
+    if "pytree" not in items.values():
         held = ", ".join(sorted(names)[:8]) or "nothing"
-        return (
-            f"no Orbax pytree item (a folder with {ORBAX_TREE_FILE}) or grain iterator "
-            f"state in it; it holds: {held}"
-        )
+        return f"no Orbax pytree item (a folder with {ORBAX_TREE_FILE}) in it; it holds: {held}"
     return OrbaxStep(path, items)
 
 

@@ -144,6 +144,11 @@ class CheckpointManager:
         self._read_only = read_only
         self._verify = verify_on_restore
         self._lock = None
+        if not read_only and _layout.is_bare(epath.Path(directory)):  # before any lock file
+            raise ConfigError(
+                f"{directory} is itself one plain Orbax checkpoint, not a directory of steps: "
+                "open it with read_only=True, and save into another directory"
+            )
         if not read_only and jax.process_index() == 0:
             # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
             self._lock = writer_lock(directory, writer_lease_s)
@@ -486,10 +491,15 @@ class CheckpointManager:
                 f"step {step} holds no data-iterator state (it was saved without data=); "
                 "restore without data= or from a step saved with it"
             )
-        # None: saved before jaxckpt recorded it, or by plain Orbax
-        saved = info.orbax is None and _layout.read_data_about(
-            self.directory, step, jax.process_index(), jax.process_count()
-        )
+        here = (jax.process_index(), jax.process_count())
+        if info.orbax is not None:  # grain's handler records no description: its state is there?
+            try:
+                _layout.read_data_state(self.directory, info, *here)
+            except DataStateError as e:
+                return str(e)
+            return None
+        # None: a step saved before jaxckpt recorded it
+        saved = _layout.read_data_about(self.directory, step, *here)
         changed = _iterators.differences(saved, _iterators.describe(data)) if saved else []
         if not changed:
             return None

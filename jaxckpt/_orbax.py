@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -213,11 +214,6 @@ class OrbaxStore:
         )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
-        if not read_only and _layout.is_bare(self.directory):
-            raise ConfigError(
-                f"{self.directory} is itself one plain Orbax checkpoint, not a directory of "
-                "steps: open it with read_only=True, and save into another directory"
-            )
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=not read_only,
             create=not read_only,
@@ -252,7 +248,7 @@ class OrbaxStore:
             # never committed (a killed process), and deletions that never finished.
             self._leftovers = [
                 self._deleter.submit(_remove, self.directory / n, "an unfinished save's leftovers")
-                for n in ocp.path.step.tmp_checkpoints(self.directory)
+                for n in self._unfinished()
             ]
             for leftover in self.directory.glob(f"*{_layout.DELETING_SUFFIX}"):
                 self._deleter.submit(_remove, leftover)
@@ -267,16 +263,24 @@ class OrbaxStore:
         if not self.directory.exists():  # removed under a reader
             return _layout.Listing(self.directory)
         self._mngr.reload()
-        names = () if committed_only else ocp.path.step.tmp_checkpoints(self.directory)
+        names = () if committed_only else self._unfinished()
         listing = _layout.Listing.of(
             self.directory,
             finalized=set(self._mngr.all_steps()),
-            uncommitted={s for n in names if (s := _layout.step_of(n.split(".")[0])) is not None},
+            uncommitted={_layout.step_of(n.split(".")[0]) for n in names},
             hidden=self._tombstoned(),
             known=self._orbax_steps,
         )
         self._orbax_steps = dict(listing.orbax)
         return listing
+
+    def _unfinished(self) -> list[str]:
+        """The folders of unfinished saves at a jaxckpt step's name: `<step>.orbax-checkpoint-
+        tmp`, or on object storage `<step>` without Orbax's commit file. (Orbax's listing
+        counts there every folder without one: a user's folder, an Orbax step being saved
+        under a prefix; those are never jaxckpt's to remove.)"""
+        names = ocp.path.step.tmp_checkpoints(self.directory)
+        return [n for n in names if _layout.step_of(n.split(".")[0]) is not None]
 
     def committed_steps(self) -> list[int]:
         """Committed steps, jaxckpt's and plain Orbax's, oldest first."""
@@ -296,6 +300,8 @@ class OrbaxStore:
         Orbax step's pytree item `item` (None: its only one)."""
         found = self._orbax_steps.get(step)
         if found is not None:
+            if problems := _integrity.unsafe_entries(found.path):  # before Orbax opens any
+                raise CorruptCheckpointError(step, problems, str(self.directory))
             return _orbax_info(self.directory, step, found, item)
         if item not in (None, _layout.STATE):
             raise ConfigError(
@@ -463,10 +469,15 @@ def _read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
     except JaxckptError:
         raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         raise RestoreError(
-            f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: {first}"
+            f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: "
+            + _first_line(e)
         ) from e
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's text (Orbax's and tensorstore's run long)."""
+    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def _check_read(
@@ -541,12 +552,11 @@ def _orbax_info(
         raise ConfigError(f"step {step} in {directory}, written by Orbax, holds {held}: {ask}")
     try:
         tree = _orbax_tree(found.item_dir(item))
+        impls = _key_impls(found.item_dir(item))
+        specs = [_orbax_spec(path, meta, impls) for path, meta in _orbax_leaves(tree)]
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        problem = f"Orbax cannot read the metadata of its item {item!r}: {first}"
+        problem = f"Orbax cannot read the metadata of its item {item!r}: {_first_line(e)}"
         raise CorruptCheckpointError(step, [problem], str(directory)) from None
-    impls = _key_impls(found.item_dir(item))
-    specs = [_orbax_spec(path, meta, impls) for path, meta in _orbax_leaves(tree)]
     return _layout.StepInfo(
         step=step,
         state=tuple(s for s in specs if s is not None),
@@ -569,6 +579,47 @@ def _legacy(path: epath.Path) -> bool:
     return not (path / _layout.ORBAX_TREE_FILE).exists()
 
 
+def missing_chunks(path: epath.Path) -> list[str]:
+    """Of a legacy item, the arrays whose chunk files are not all there: Orbax reads a
+    missing chunk of such an item as zeros, so only the listing tells. (An array with a fill
+    value may leave chunks out: not counted.)"""
+    if not _legacy(path):
+        return []
+    problems = []
+    for leaf in sorted(p for p in path.iterdir() if (p / ".zarray").exists()):
+        try:
+            zarray = json.loads((leaf / ".zarray").read_text())
+            grid = [-(-n // c) for n, c in zip(zarray["shape"], zarray["chunks"], strict=True)]
+        except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            problems.append(f"{leaf.name}/.zarray is unreadable: {_first_line(e)}")
+            continue
+        if zarray.get("fill_value") is not None:
+            continue
+        separator = zarray.get("dimension_separator", ".")
+        expected = {
+            separator.join(map(str, i)) or "0" for i in itertools.product(*map(range, grid))
+        }
+        present = _files_below(leaf)
+        if missing := sorted(expected - present):
+            problems.append(
+                f"{leaf.name}: {len(missing)} of {len(expected)} chunk files are missing "
+                f"(first: {missing[0]}), which Orbax would read as zeros"
+            )
+    return problems
+
+
+def _files_below(root: epath.Path) -> set[str]:
+    """The files below `root`, as paths relative to it (a listing per folder)."""
+    found, stack = set(), [root]
+    while stack:
+        for p in stack.pop().iterdir():
+            if p.is_dir():
+                stack.append(p)
+            else:
+                found.add(str(p.relative_to(root)))
+    return found
+
+
 def _legacy_tree(path: epath.Path) -> Any:
     """A legacy item's tree, each array's metadata from its `.zarray`: shape and dtype (no
     sharding is recorded there). A value stored in the msgpack file itself is left out."""
@@ -579,6 +630,8 @@ def _legacy_tree(path: epath.Path) -> Any:
             log.warning("Orbax leaf stored in %s/checkpoint itself: jaxckpt skips it", path)
             return None
         name = ocp.utils.name_from_leaf_placeholder(value)
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError(f"a leaf is named {name!r}, which is no folder of the item")
         try:
             zarray = json.loads((path / name / ".zarray").read_text())
         except (OSError, ValueError) as e:

@@ -11,7 +11,7 @@ from etils import epath
 
 from jaxckpt import _orbax
 from jaxckpt._manager import CheckpointManager
-from jaxckpt._storage import absolute
+from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, OutputExistsError
 
 log = logging.getLogger("jaxckpt")
@@ -24,15 +24,17 @@ def export_orbax(
     step: int | None = None,
     state: Any = None,
     overwrite: bool = False,
+    item: str | None = None,
 ) -> int:
     """Writes a step's state tree as the plain Orbax checkpoint `ocp.StandardCheckpointer`
     writes, which `ocp.StandardCheckpointer().restore(out_dir, target)` reads; returns the
     step exported. The step is restored first (verified against its manifest), so the
     whole state passes through this process's memory: on the host without `state`, on the
-    target's devices with it.
+    target's devices with it. The checkpoint is written beside `out_dir` and renamed into
+    place: a failed export leaves `out_dir` as it was.
 
     Args:
-      checkpoint_dir: a jaxckpt checkpoint directory (only read).
+      checkpoint_dir: a jaxckpt checkpoint directory, or one plain Orbax wrote (only read).
       out_dir: the Orbax checkpoint to write; must not exist or be empty, unless `overwrite`.
       step: the step to export; None for the latest committed one.
       state: a restore target, as for `CheckpointManager.restore`: the tree is written with
@@ -40,21 +42,33 @@ def export_orbax(
         None: nested dicts and lists of NumPy arrays, which a target of nested dicts and
         lists restores (empty nodes such as optax's EmptyState are not in it).
       overwrite: replace a non-empty `out_dir`.
+      item: of a step plain Orbax wrote, its pytree item (None: its only one).
     """
     out, source = epath.Path(absolute(out_dir)), epath.Path(absolute(checkpoint_dir))
     if out == source or source in out.parents or out in source.parents:
         raise ConfigError(
             f"the output {out} overlaps the checkpoint directory {source}; export elsewhere"
         )
+    if is_remote(out):
+        raise ConfigError(f"export_orbax writes to a local directory, not {out}")
+    if os.path.islink(out) or (out.exists() and not out.is_dir()):
+        raise OutputExistsError(f"{out} is not a directory; choose another output")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise OutputExistsError(
             f"{out} exists and is not empty; choose another directory or pass overwrite=True"
         )
     with CheckpointManager(checkpoint_dir, read_only=True) as manager:
-        restored = manager.restore(step, state=state)
+        restored = manager.restore(step, state=state, item=item)
+    new, old = (out.parent / f".{out.name}.jaxckpt-{what}" for what in ("new", "old"))
+    for leftover in (new, old):
+        if leftover.exists():
+            leftover.rmtree()
+    _orbax.write_plain(new, restored.state)
     if out.exists():
-        out.rmtree()
-    _orbax.write_plain(out, restored.state)
+        out.rename(old)
+    new.rename(out)
+    if old.exists():
+        old.rmtree()
     log.info(
         "exported step %d of %s to the Orbax checkpoint %s", restored.step, checkpoint_dir, out
     )

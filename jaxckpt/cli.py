@@ -350,11 +350,9 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
         status = "uncommitted (a save in progress or one that never finished)"
         rows.append(_status_row(step, status))
     if as_json:
-        unreadable = [{"folder": n, "why": why} for n, why in sorted(listing.unreadable.items())]
-        _json({"directory": checkpoint_dir, "steps": rows, "unreadable": unreadable})
+        _json({"directory": checkpoint_dir, "steps": rows, "unreadable": _unreadable(listing)})
         return
-    for name, why in sorted(listing.unreadable.items()):
-        click.echo(f"{name}: not a step jaxckpt can read: {why}", err=True)
+    _warn_unreadable(listing)
     if not rows:
         click.echo(f"{checkpoint_dir}: no steps")
         return
@@ -373,6 +371,17 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             for r in sorted(rows, key=lambda r: r["step"])
         ],
     )
+
+
+def _unreadable(listing) -> list[dict]:
+    """The step-like folders no one can read, and why: for --json."""
+    return [{"folder": n, "why": why} for n, why in sorted(listing.unreadable.items())]
+
+
+def _warn_unreadable(listing) -> None:
+    """The step-like folders no one can read, and why, on stderr (ls and verify)."""
+    for name, why in sorted(listing.unreadable.items()):
+        click.echo(f"{name}: not a step jaxckpt can read: {why}", err=True)
 
 
 def _pytree_items(listing, step: int) -> list[str | None]:
@@ -668,10 +677,10 @@ def export(
 
     _need_dir(checkpoint_dir)
     if kind == "orbax":
-        given = {"--names": names, "--dtype": dtype, "--item": item}
+        given = {"--names": names, "--dtype": dtype}
         if unused := [flag for flag, value in given.items() if value is not None]:
             raise click.BadParameter(f"{', '.join(unused)}: only with --format safetensors")
-        exported = export_orbax(checkpoint_dir, out_dir, step=step, overwrite=overwrite)
+        exported = export_orbax(checkpoint_dir, out_dir, step=step, overwrite=overwrite, item=item)
         if as_json:
             _json({"step": exported, "out_dir": str(out_dir), "format": "orbax"})
         else:
@@ -711,15 +720,16 @@ def verify(checkpoint_dir, step, as_json) -> None:
     _need_dir(checkpoint_dir)
     with _progress("verify step {key}") as update:
         reports = verify_dir(checkpoint_dir, step, progress=update)
+    with _store(checkpoint_dir) as store:
+        listing = store.scan()
+        # Sizes as `ls` shows them: every file of the step (the manifest checks all but
+        # itself and Orbax's two commit files, which Orbax rewrites as it commits).
+        sizes = {r.step: _du(store.step_dir(r.step)) for r in reports}
     if not reports:
         from jaxckpt._layout import no_checkpoint
 
-        raise no_checkpoint(checkpoint_dir)
+        raise no_checkpoint(checkpoint_dir, listing.unreadable, listing.uncommitted)
     bad = [r.step for r in reports if not r.ok]
-    # Sizes as `ls` shows them: every file of the step (the manifest checks all but itself
-    # and Orbax's two commit files, which Orbax rewrites as it commits).
-    with _store(checkpoint_dir) as store:
-        sizes = {r.step: _du(store.step_dir(r.step)) for r in reports}
     if as_json:
         _json(
             {
@@ -734,9 +744,11 @@ def verify(checkpoint_dir, step, as_json) -> None:
                     }
                     for r in reports
                 ],
+                "unreadable": _unreadable(listing),
             }
         )
     else:
+        _warn_unreadable(listing)
         for r in reports:
             if r.ok and not r.checksummed:
                 click.echo(

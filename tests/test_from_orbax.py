@@ -125,6 +125,10 @@ def step_of(layout):
 def cli(*args):
     result = CliRunner().invoke(main, [str(a) for a in args])
     assert "Traceback" not in result.output, result.output
+    # an error the CLI did not turn into its one-line message is a bug
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
     return result
 
 
@@ -541,3 +545,111 @@ def test_typed_and_raw_prng_keys_orbax_saved_come_back_as_saved(tmp_path, mesh):
             jax.random.key_data(restored[name]), jax.random.key_data(keys[name])
         )
     np.testing.assert_array_equal(restored["raw"], keys["raw"])
+
+
+# ------------------------------------------------------------------------------ review: hostile
+
+
+def test_a_step_whose_pytree_metadata_is_gone_is_named_not_listed(tmp_path, mesh):
+    # MaxText's step without items/_METADATA keeps only its grain item: no step to restore.
+    directory = maxtext(tmp_path / "run", train_state(mesh))
+    (directory / str(STEP) / "items" / "_METADATA").unlink()
+    result = cli("ls", directory)
+    assert result.exit_code == 0 and f"{STEP}: not a step jaxckpt can read" in result.output
+    result = cli("verify", directory)
+    assert result.exit_code == 1 and "no Orbax pytree item" in result.output
+    with pytest.raises(NoCheckpointError, match="no Orbax pytree item"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+
+
+def test_links_and_hostile_metadata_are_refused_by_every_reader(tmp_path, mesh):
+    directory = single_item(tmp_path / "run", train_state(mesh))
+    sharding = directory / str(STEP) / "default" / "_sharding"
+    saved = sharding.read_bytes()
+    sharding.unlink()
+    (tmp_path / "outside.json").write_bytes(saved)
+    sharding.symlink_to(tmp_path / "outside.json")
+    for command in (["inspect"], ["verify"], ["plan", "--mesh", "2x4"], ["diff", STEP, STEP]):
+        result = cli(command[0], directory, *command[1:])
+        trouble = 2 if command[0] == "diff" else 1  # diff's exit status is diff(1)'s
+        assert result.exit_code == trouble and "symbolic link" in result.output, result.output
+    sharding.unlink()
+    sharding.write_bytes(saved)
+    metadatas = directory / str(STEP) / "default" / "array_metadatas" / "process_0"
+    metadatas.write_text("{not json")
+    result = cli("inspect", directory)
+    assert result.exit_code == 1 and "cannot read the metadata of its item" in result.output
+
+
+def test_a_legacy_leaf_name_that_leaves_the_item_is_refused(tmp_path, old_orbax):
+    directory = tmp_path / "run"
+    shutil.copytree(old_orbax / "bare", directory)
+    tree = {"params": {"params": {"w": "PLACEHOLDER://../../outside"}}}
+    (directory / "checkpoint").write_bytes(ocp.msgpack_utils.msgpack_serialize(tree))
+    with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match="no folder of the item"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+
+
+def test_a_missing_chunk_of_a_legacy_step_fails_verify(tmp_path, old_orbax):
+    # Orbax reads a missing chunk of such a step as zeros: verify counts the chunk files.
+    directory = tmp_path / "run"
+    shutil.copytree(old_orbax / "manager", directory)
+    (directory / str(STEP) / "default" / "params.params.dense.kernel" / "1.1").unlink()
+    result = cli("verify", directory)
+    assert result.exit_code == 1
+    assert "params.params.dense.kernel: 1 of 8 chunk files are missing" in result.output
+
+
+def test_a_writer_refused_on_a_bare_checkpoint_writes_nothing_there(tmp_path, mesh):
+    directory = bare(tmp_path / "ckpt", train_state(mesh))
+    before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    with pytest.raises(ConfigError, match="read_only=True"):
+        jaxckpt.CheckpointManager(directory)
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
+
+
+def test_a_grain_state_for_another_process_count_is_refused_before_any_read(
+    tmp_path, mesh, monkeypatch
+):
+    directory = maxtext(tmp_path / "run", train_state(mesh))
+    saved = directory / str(STEP) / "iter" / "process_0-of-1.json"
+    saved.rename(saved.with_name("process_0-of-2.json"))
+    reads = []
+    monkeypatch.setattr(jaxckpt._orbax.OrbaxStore, "read_arrays", lambda *a: reads.append(a))
+    with jaxckpt.CheckpointManager(directory, read_only=True) as m:
+        data = iter(orbax_written.dataset().to_iter_dataset())
+        with pytest.raises(jaxckpt.errors.DataStateError, match=r"process_0-of-2\.json"):
+            m.restore(state=target_on(mesh, P()), data=data)
+    assert reads == []
+
+
+def test_export_orbax_replaces_only_what_it_was_told_to(jaxckpt_step, tmp_path):
+    out = tmp_path / "as-orbax"
+    jaxckpt.export_orbax(jaxckpt_step, out)
+    jaxckpt.export_orbax(jaxckpt_step, out, overwrite=True)  # replaced whole, renamed in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["as-orbax", "jaxckpt-run"]
+    with ocp.StandardCheckpointer() as c:
+        np.testing.assert_array_equal(c.restore(out)["params"]["params"]["dense"]["kernel"], KERNEL)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    with pytest.raises(jaxckpt.errors.OutputExistsError, match="not a directory"):
+        jaxckpt.export_orbax(jaxckpt_step, a_file, overwrite=True)
+    assert a_file.read_text() == "mine"
+
+
+def test_a_writer_on_gcs_removes_only_its_own_unfinished_saves(gcs_dir, mesh):
+    root = epath.Path(gcs_dir)
+    single_item(root, train_state(mesh))
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "todo.txt").write_text("mine")  # no commit_success.txt: not a step
+    (root / "ckpt_12" / "default").mkdir(parents=True)  # an Orbax save under a prefix, unfinished
+    (root / "ckpt_12" / "default" / "_METADATA").write_text("{}")
+    with jaxckpt.CheckpointManager(gcs_dir, retention=jaxckpt.RetentionPolicy(keep_last=1)) as m:
+        assert m.latest_step() == STEP
+        m.save(STEP + 1, state={"x": np.arange(3)})
+        m.wait()
+        m.save(STEP + 2, state={"x": np.arange(3)})
+    assert (root / "notes" / "todo.txt").read_text() == "mine"
+    assert (root / "ckpt_12" / "default" / "_METADATA").exists()
+    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+        assert m.all_steps() == [STEP, STEP + 2]
