@@ -33,6 +33,7 @@ test: $(STAMP) $(OLD_STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/restore_memory.py
+	$(BIN)/python benchmarks/orbax_written.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --quick

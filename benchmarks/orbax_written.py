@@ -45,7 +45,8 @@ def state(count, shape, mesh):
         f"layer_{i}": {"kernel": jax.device_put(np.full(shape, i, np.float32), sharding)}
         for i in range(count)
     }
-    return {"params": {"params": layers}, "step": jax.device_put(np.int32(7), sharding)}
+    step = jax.device_put(np.int32(7), NamedSharding(mesh, P()))
+    return {"params": {"params": layers}, "step": step}
 
 
 def target(count, shape, mesh):

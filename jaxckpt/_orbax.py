@@ -206,6 +206,7 @@ class OrbaxStore:
         self._lock = lock
         self._saving: int | None = None
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
+        self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
@@ -290,6 +291,13 @@ class OrbaxStore:
         """The committed steps jaxckpt wrote, oldest first: the only ones it deletes."""
         return list(self.scan(committed_only=True).own)
 
+    def _orbax_tree(self, path: epath.Path) -> Any:
+        """An Orbax pytree item's metadata tree (`_orbax_tree`), read once by this store:
+        jaxckpt never rewrites a step that plain Orbax wrote."""
+        if path not in self._orbax_trees:
+            self._orbax_trees[path] = _orbax_tree(path)
+        return self._orbax_trees[path]
+
     def is_orbax(self, step: int) -> bool:
         """Whether the last `scan` found `step` to be a step plain Orbax wrote."""
         return step in self._orbax_steps
@@ -302,7 +310,7 @@ class OrbaxStore:
         if found is not None:
             if problems := _integrity.unsafe_entries(found.path):  # before Orbax opens any
                 raise CorruptCheckpointError(step, problems, str(self.directory))
-            return _orbax_info(self.directory, step, found, item)
+            return _orbax_info(self.directory, step, found, item, self._orbax_tree)
         if item not in (None, _layout.STATE):
             raise ConfigError(
                 f"step {step} in {self.directory} is a jaxckpt step: item= chooses among the "
@@ -392,7 +400,7 @@ class OrbaxStore:
         if info.orbax is not None:
             item = info.item
             path = info.orbax.item_dir(item)
-            tree = _orbax_tree(path)
+            tree = self._orbax_tree(path)
             if _legacy(path):  # Orbax reads every leaf of such an item on each restore
                 batches = [list(to_read)]
         for batch in batches:
@@ -535,10 +543,15 @@ def write_plain(out_dir: epath.Path, tree: Any) -> None:
 
 
 def _orbax_info(
-    directory: epath.Path, step: int, found: _layout.OrbaxStep, item: str | None
+    directory: epath.Path,
+    step: int,
+    found: _layout.OrbaxStep,
+    item: str | None,
+    tree_of: Callable[[epath.Path], Any],
 ) -> _layout.StepInfo:
     """A plain Orbax step as jaxckpt sees one: the leaves of its pytree item `item` (None:
-    its only one) as Orbax's metadata records them, its grain states as data."""
+    its only one) as Orbax's metadata records them (`tree_of` an item's folder), its grain
+    states as data."""
     trees = found.items_of("pytree")
     if item is None and len(trees) == 1:
         item = trees[0]
@@ -551,7 +564,7 @@ def _orbax_info(
         )
         raise ConfigError(f"step {step} in {directory}, written by Orbax, holds {held}: {ask}")
     try:
-        tree = _orbax_tree(found.item_dir(item))
+        tree = tree_of(found.item_dir(item))
         impls = _key_impls(found.item_dir(item))
         specs = [_orbax_spec(path, meta, impls) for path, meta in _orbax_leaves(tree)]
     except Exception as e:

@@ -235,6 +235,9 @@ def test_a_maxtext_step_restores_its_grain_iterator(tmp_path, mesh):
         restored = m.restore(state=target_on(mesh, P("data", "model")), data=data)
     assert restored.data is data
     np.testing.assert_array_equal(next(data), [4, 5, 6, 7])  # one batch was consumed
+    result = cli("inspect", "--data", "--json", directory)
+    (saved,) = json.loads(result.output)["data_states"]
+    assert saved["process"] == 0 and saved["processes"] == 1 and isinstance(saved["state"], dict)
 
 
 def test_several_pytree_items_must_be_chosen(tmp_path, mesh):
