@@ -9,10 +9,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jaxckpt import _layout, _orbax
+from jaxckpt import _orbax
 from jaxckpt._plan import read_batches
 from jaxckpt._tree import LeafSpec, ReadRequest
-from jaxckpt.errors import ConfigError
 
 COMPARE_BATCH_BYTES = 128 * 2**20  # read from each step at a time
 
@@ -52,17 +51,17 @@ def diff(
     progress: Callable[[int, int], None] | None = None,
 ) -> StepDiff:
     """Compares a step of `directory_a` with one of `directory_b` (None: the same directory);
-    a step None is the directory's latest committed one. Reads metadata only, unless
-    `values`: then each leaf both hold alike is read from both (on the host, in batches) and
-    `progress(bytes compared, bytes to compare)` is called after each."""
-    if item not in _layout.ITEMS:
-        raise ConfigError(f"item must be one of {list(_layout.ITEMS)}, got {item!r}")
+    a step None is the directory's latest committed one. `item`: "state" or "rng"; of a
+    step plain Orbax wrote, "state" is its only pytree item, or name one of its pytree items.
+    Reads metadata only, unless `values`: then each leaf both hold alike is read from both
+    (on the host, in batches) and `progress(bytes compared, bytes to compare)` is called
+    after each."""
     sides = ((directory_a, step_a), (directory_b or directory_a, step_b))
     stores = [_orbax.OrbaxStore(d, read_only=True) for d, _ in sides]
     try:
         steps = [store.scan().resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
-        infos = [store.info(step) for store, step in zip(stores, steps, strict=True)]
-        a, b = ({s.name: s for s in info.leaves(item)} for info in infos)
+        trees = [store.tree(step, item) for store, step in zip(stores, steps, strict=True)]
+        a, b = ({s.name: s for s in info.leaves(which)} for info, which in trees)
         both = a.keys() & b.keys()
         changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
         added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
@@ -74,8 +73,8 @@ def diff(
         deltas, done, total = {}, 0, sum(s.nbytes for s in same.values())
         for batch in read_batches(requests, COMPARE_BATCH_BYTES):
             x_batch, y_batch = (
-                store.read_arrays(info, item, {n: requests[n] for n in batch})
-                for store, info in zip(stores, infos, strict=True)
+                store.read_arrays(info, which, {n: requests[n] for n in batch})
+                for store, (info, which) in zip(stores, trees, strict=True)
             )
             for name in batch:
                 deltas[name] = _max_abs_diff(x_batch[name], y_batch[name])

@@ -291,6 +291,20 @@ class OrbaxStore:
         """The committed steps jaxckpt wrote, oldest first: the only ones it deletes."""
         return list(self.scan(committed_only=True).own)
 
+    def tree(self, step: int, item: str | None = None) -> tuple[_layout.StepInfo, str]:
+        """A committed step's metadata and which of its trees `item` names: of a jaxckpt
+        step "state" (None) or "rng"; of a plain Orbax step one of its pytree items (None or
+        "state": its only one)."""
+        if self.is_orbax(step):
+            return self.info(step, None if item in (None, _layout.STATE) else item), _layout.STATE
+        if item not in (None, *_layout.ITEMS):
+            raise ConfigError(
+                f"item must be one of {list(_layout.ITEMS)} for step {step} in "
+                f"{self.directory}, a jaxckpt step (a pytree item's name chooses among those "
+                f"of a step plain Orbax wrote), got {item!r}"
+            )
+        return self.info(step), item or _layout.STATE
+
     def _orbax_tree(self, path: epath.Path) -> Any:
         """An Orbax pytree item's metadata tree (`_orbax_tree`), read once by this store:
         jaxckpt never rewrites a step that plain Orbax wrote."""

@@ -184,10 +184,9 @@ def _info(directory: str, step: int | None, item: str | None = None) -> tuple[An
 
     with _store(directory) as store:
         step = store.scan().resolve(step)
-        if store.is_orbax(step):
-            return store.directory, store.info(step, item), _layout.STATE
-        _check_item(item or _layout.STATE)
-        return store.directory, store.info(step), item or _layout.STATE
+        if not store.is_orbax(step):
+            _check_item(item or _layout.STATE)
+        return store.directory, *store.tree(step, item)
 
 
 def _check_item(item: str) -> None:
@@ -480,7 +479,12 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
 @click.argument("first", metavar="DIR|DIR_A")
 @click.argument("second", metavar="STEP_A|DIR_B")
 @click.argument("third", metavar="[STEP_B]", required=False)
-@click.option("--item", default="state", show_default=True, help="state or rng.")
+@click.option(
+    "--item",
+    default="state",
+    show_default=True,
+    help="state or rng; of a step plain Orbax wrote, its pytree item (state: its only one).",
+)
 @click.option("--values", is_flag=True, help="Read both and report max |a - b| per leaf.")
 @JSON_OPTION
 def diff(first: str, second: str, third: str | None, item: str, values: bool, as_json: bool):
@@ -499,7 +503,6 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 f"with three arguments, STEP_A and STEP_B are step numbers: got {second!r}, "
                 f"{third!r}"
             ) from None
-    _check_item(item)
     _need_dir(first)
     _need_dir(dir_b)
     with _progress("compare {key}") as update:

@@ -261,6 +261,10 @@ def test_several_pytree_items_must_be_chosen(tmp_path, mesh):
     result = cli("inspect", directory)
     assert result.exit_code != 0 and "--item" in result.output
     assert "ema" in cli("inspect", directory, "--item", "ema").output
+    found = jaxckpt.diff(directory, step_a=1, step_b=1, item="ema", values=True)
+    assert not found.different and found.max_abs_diff == {"w": 0.0}
+    result = cli("diff", directory, 1, 1)  # "state": which one? diff(1)'s trouble status
+    assert result.exit_code == 2 and "ema (pytree), params (pytree)" in result.output
 
 
 # ------------------------------------------------------------------------------ switch in place
