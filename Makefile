@@ -28,12 +28,13 @@ demo: $(STAMP)
 test: $(STAMP) $(OLD_STAMP) lint
 	$(BIN)/pytest
 
-# Side-by-side benchmarks (BENCHMARKS.md, ~20 min on 2 cores); bench-quick: the 64 MiB state
+# Side-by-side benchmarks (BENCHMARKS.md, ~35 min on 2 cores); bench-quick: the 64 MiB state
 # only (~1 min). On a machine with an accelerator: bash benchmarks/gpu.sh
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/restore_memory.py
 	$(BIN)/python benchmarks/orbax_written.py
+	$(BIN)/python benchmarks/leaf_sweep.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --quick
