@@ -71,7 +71,7 @@ def export_safetensors(
         # The files are hashed while the tensors are written to a temporary directory,
         # which is published only if they match: corrupt weights are never shipped.
         with _integrity.verified_while_reading(
-            store.directory, step, verify=not store.is_orbax(step), folder=store.step_dir(step)
+            store.directory, step, store.step_dir(step), verify=not store.is_orbax(step)
         ) as check:
             info = store.info(step, item)
             by_name = {s.name: s for s in info.state}

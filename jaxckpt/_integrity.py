@@ -200,22 +200,22 @@ def _manifest(step_dir: epath.Path) -> dict[str, dict]:
 
 @contextlib.contextmanager
 def verified_while_reading(
-    directory: epath.Path, step: int, *, verify: bool = True, folder: epath.Path | None = None
+    directory: epath.Path, step: int, folder: epath.Path, *, verify: bool = True
 ) -> Iterator[Callable[[], None]]:
     """Around a read of a step (restore, export): links and special files are refused before
     the body runs, and Orbax or tensorstore opens anything. With `verify`, the step's files
     are hashed in a worker thread while the body reads, and the `check()` yielded raises
     CorruptCheckpointError unless they match the manifest (waiting for the hashing); it also
     runs when the body leaves, and first when it fails: corruption explains a failed read.
-    `folder`: the step's folder, if not `<directory>/<step>` (a step Orbax wrote)."""
-    step_dir = folder or directory / str(step)
-    if problems := unsafe_entries(step_dir):
+    `folder`: the step's folder (`OrbaxStore.step_dir`; a step Orbax wrote may be named
+    otherwise than `<directory>/<step>`)."""
+    if problems := unsafe_entries(folder):
         raise CorruptCheckpointError(step, problems, str(directory))
     if not verify:
         yield lambda: None
         return
     with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-        report = pool.submit(verify_step, step_dir, step)
+        report = pool.submit(verify_step, folder, step)
 
         def check() -> None:
             if problems := report.result().problems:

@@ -449,10 +449,10 @@ class CheckpointManager:
             info = self._read_info(step, wanted.item)
             self._check_data(step, info, data, wanted.mismatch_ok)
         with _integrity.verified_while_reading(
-            self.directory, step, verify=verify and not several, folder=self._store.step_dir(step)
+            self.directory, step, self._store.step_dir(step), verify=verify and not several
         ):
             info = info or self._read_info(step, wanted.item)
-            restored = self._restore_step(step, info, wanted)
+            restored = self._restore_step(info, wanted)
         if data is not None:  # last: after everything else was read (and verified)
             _restore_data(data, info, self.directory)
             restored = dataclasses.replace(restored, data=data)
@@ -546,8 +546,8 @@ class CheckpointManager:
                 step, [f"{_layout.INFO_PATH} is missing"], str(self.directory)
             ) from None
 
-    def _restore_step(self, step: int, info: _layout.StepInfo, wanted: _Wanted) -> Restored:
-        state, rng, partial = wanted.state, wanted.rng, wanted.partial
+    def _restore_step(self, info: _layout.StepInfo, wanted: _Wanted) -> Restored:
+        step, state, rng, partial = info.step, wanted.state, wanted.rng, wanted.partial
         kinds = info.rng_node_types
         if rng is None and info.rng and kinds:  # before any array is read
             raise TreeMismatchError(

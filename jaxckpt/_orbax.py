@@ -305,7 +305,7 @@ class OrbaxStore:
             )
         return self.info(step), item or _layout.STATE
 
-    def _orbax_tree(self, path: epath.Path) -> Any:
+    def _item_tree(self, path: epath.Path) -> Any:
         """An Orbax pytree item's metadata tree (`_orbax_tree`), read once by this store:
         jaxckpt never rewrites a step that plain Orbax wrote."""
         if path not in self._orbax_trees:
@@ -324,7 +324,7 @@ class OrbaxStore:
         if found is not None:
             if problems := _integrity.unsafe_entries(found.path):  # before Orbax opens any
                 raise CorruptCheckpointError(step, problems, str(self.directory))
-            return _orbax_info(self.directory, step, found, item, self._orbax_tree)
+            return _orbax_info(self.directory, step, found, item, self._item_tree)
         if item not in (None, _layout.STATE):
             raise ConfigError(
                 f"step {step} in {self.directory} is a jaxckpt step: item= chooses among the "
@@ -414,7 +414,7 @@ class OrbaxStore:
         if info.orbax is not None:
             item = info.item
             path = info.orbax.item_dir(item)
-            tree = self._orbax_tree(path)
+            tree = self._item_tree(path)
             if _legacy(path):  # Orbax reads every leaf of such an item on each restore
                 batches = [list(to_read)]
         for batch in batches:
@@ -580,7 +580,9 @@ def _orbax_info(
     try:
         tree = tree_of(found.item_dir(item))
         impls = _key_impls(found.item_dir(item))
-        specs = [_orbax_spec(path, meta, impls) for path, meta in _orbax_leaves(tree)]
+        # (None in the tree is an empty node: optax's EmptyState is saved as one)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        specs = [_orbax_spec(path, meta, impls) for path, meta in leaves]
     except Exception as e:
         problem = f"Orbax cannot read the metadata of its item {item!r}: {_first_line(e)}"
         raise CorruptCheckpointError(step, [problem], str(directory)) from None
@@ -672,12 +674,6 @@ def _legacy_tree(path: epath.Path) -> Any:
         )
 
     return jax.tree.map(meta, tree)
-
-
-def _orbax_leaves(tree: Any) -> list[tuple[tuple, Any]]:
-    """(key path, metadata) of each leaf of an Orbax metadata tree; None is an empty node
-    (optax's EmptyState is saved as one)."""
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | None:
