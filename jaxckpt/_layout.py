@@ -9,8 +9,11 @@ a step number (`Listing.resolve`). Everything else asks here.
         <step>.jaxckpt-deleting/             being deleted by retention (local disk)
         <step>.jaxckpt-tombstone             hides a step being deleted (object storage)
     <directory>/<step>/
-        state/                      the state tree: tensorstore OCDBT, one entry per leaf name
-        rng/                        PRNG keys as raw key data (only when rng= was given)
+        state/                      the state tree's leaves above 1 MiB: tensorstore OCDBT,
+                                    one entry per leaf name
+        rng/                        PRNG keys as raw key data, as state/ (only with rng=)
+        packed/<i>-of-<n>.bin|json  every smaller leaf of both, each process's pieces in one
+                                    file with its index (format 2, jaxckpt._packed)
         data/process_<i>-of-<n>.json  each process's data-iterator state (only with data=)
         data/iterator_<i>-of-<n>.json what that iterator was (jaxckpt._iterators.describe)
         jaxckpt/jaxckpt.json        StepInfo: leaf specs, user meta, versions
@@ -54,7 +57,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
 )
 
-STATE, RNG, DATA = "state", "rng", "data"  # Orbax items: folders of a step
+STATE, RNG, DATA, PACKED = "state", "rng", "data", "packed"  # Orbax items: step folders
 ITEMS = (STATE, RNG)  # the items of arrays
 META_DIR = "jaxckpt"  # jaxckpt's item: its own files
 INFO_FILE = "jaxckpt.json"
@@ -72,7 +75,9 @@ TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
 LOCK_FILE = ".jaxckpt-writer.lock"
 DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # as grain's handler names them
 MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one
-FORMAT_VERSION = 1  # of jaxckpt.json; a later format adds its reading of older ones here
+# Of jaxckpt.json; a later format adds its reading of older ones here. 2: small leaves are
+# packed (`StepInfo.packed`); 1: every leaf is an Orbax array of its own.
+FORMAT_VERSION = 2
 
 
 def step_of(name: str) -> int | None:
@@ -114,6 +119,8 @@ class StepInfo:
     saved_at: str | None = None
     process_count: int | None = None
     versions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # The leaves of each item written to packed/ rather than as Orbax arrays (format 2).
+    packed: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     # Not in jaxckpt.json: set for a step that plain Orbax wrote, whose `state` leaves are
     # those of its pytree item `item` (`data`, "grain": its grain item's states).
     orbax: OrbaxStep | None = None
@@ -142,6 +149,7 @@ class StepInfo:
             "items": {item: [s.to_json() for s in self.leaves(item)] for item in ITEMS},
             "data": self.data,
             "node_types": {RNG: list(self.rng_node_types)},
+            "packed": {item: sorted(names) for item, names in self.packed.items()},
             "meta": self.meta,
         }
 
@@ -184,6 +192,15 @@ class StepInfo:
         for key, kind in (("saved_at", str), ("process_count", int), ("versions", dict)):
             if doc.get(key) is not None and not isinstance(doc[key], kind):
                 raise ValueError(f"{key!r} is not a {kind.__name__}")
+        packed = doc.get("packed") or {} if version >= 2 else {}
+        if not isinstance(packed, dict):
+            raise ValueError("'packed' is not an object")
+        for item, names in packed.items():
+            leaves = {s.name for s in specs.get(item, ())}
+            if not (item in ITEMS and isinstance(names, list) and all(n in leaves for n in names)):
+                raise ValueError(f"'packed.{item}' is not a list of the item's leaf names")
+        if packed and not isinstance(doc.get("process_count"), int):
+            raise ValueError("'process_count' is missing, which packed leaves need")
         return cls(
             step=step,
             state=specs[STATE],
@@ -194,6 +211,7 @@ class StepInfo:
             saved_at=doc.get("saved_at"),
             process_count=doc.get("process_count"),
             versions=doc.get("versions") or {},
+            packed={item: frozenset(names) for item, names in packed.items()},
         )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _integrity, _layout
+from jaxckpt import _integrity, _layout, _packed
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote
@@ -186,6 +186,44 @@ class DataRestore(ocp.args.CheckpointArgs):
     pass
 
 
+class _PackedHandler(ocp.AsyncCheckpointHandler):
+    """Writes this process's pieces of every small leaf (`jaxckpt._packed`): copied to the
+    host while the save blocks, written in one file in its background."""
+
+    def __init__(self) -> None:
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-packed")
+
+    async def async_save(
+        self, directory: epath.Path, args: PackedSave
+    ) -> list[concurrent.futures.Future]:
+        pieces = _packed.to_host(args.items)
+        return [self._writer.submit(_packed.write, directory, pieces)]
+
+    def save(self, directory: epath.Path, args: PackedSave) -> None:
+        _packed.write(directory, _packed.to_host(args.items))
+
+    def restore(self, directory: epath.Path, args: PackedRestore | None = None) -> None:
+        raise NotImplementedError("read through jaxckpt._packed.PackedStep")
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+
+@ocp.args.register_with_handler(_PackedHandler, for_save=True)
+@dataclasses.dataclass
+class PackedSave(ocp.args.CheckpointArgs):
+    items: Mapping[str, Mapping[str, Any]]
+
+
+@ocp.args.register_with_handler(_PackedHandler, for_restore=True)  # Orbax needs both
+@dataclasses.dataclass
+class PackedRestore(ocp.args.CheckpointArgs):
+    pass
+
+
 class OrbaxStore:
     """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`; the
     owner of the commit protocol (see `save`)."""
@@ -199,14 +237,20 @@ class OrbaxStore:
         compression: str | None = None,
         read_only: bool = False,
         lock: WriterLock | ObjectLease | None = None,
+        pack: bool = True,
     ):
         """`lock`: the writer's lock (held by process 0), checked before each save, each
-        commit and each delete."""
+        commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
+        packed (format 2); False writes each as an Orbax array of its own."""
         self.directory = epath.Path(absolute(directory))
         self._lock = lock
         self._saving: int | None = None
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
+        # Read once a step; keyed by when it was saved too, as a deleted step's number may
+        # be saved again.
+        self._packed: dict[tuple[epath.Path, str | None], _packed.PackedStep] = {}
+        self._pack = pack
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
@@ -239,6 +283,7 @@ class OrbaxStore:
                 _layout.STATE: arrays,
                 _layout.RNG: arrays,
                 _layout.DATA: _DataStateHandler(),
+                _layout.PACKED: _PackedHandler(),
                 _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
             },
         )
@@ -366,14 +411,23 @@ class OrbaxStore:
         """
         if self._lock is not None:
             self._lock.check()
-        args: dict[str, Any] = {_layout.META_DIR: ocp.args.JsonSave(info.to_json())}
+        args: dict[str, Any] = {}
+        small: dict[str, dict[str, Any]] = {}
         for item, arrays in ((_layout.STATE, state), (_layout.RNG, rng)):
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             arrays = {name: a for name, a in arrays.items() if a.size}
+            if self._pack:
+                small[item] = {n: a for n, a in arrays.items() if _packed.is_small(a)}
+                arrays = {n: a for n, a in arrays.items() if n not in small[item]}
             if arrays:
                 args[item] = ocp.args.PyTreeSave(
                     arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
+        if any(small.values()):
+            args[_layout.PACKED] = PackedSave(small)
+            packed = {item: frozenset(names) for item, names in small.items() if names}
+            info = dataclasses.replace(info, packed=packed)
+        args[_layout.META_DIR] = ocp.args.JsonSave(info.to_json())
         if data is not None:
             args[_layout.DATA] = DataSave(data, data_about)
         self._saving = step
@@ -407,6 +461,13 @@ class OrbaxStore:
         step = info.step
         out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
         to_read = {name: r for name, r in requests.items() if name not in out}
+        if packed := {n: r for n, r in to_read.items() if n in info.packed.get(item, ())}:
+            to_read = {n: r for n, r in to_read.items() if n not in packed}
+            out.update(self._read_packed(info, item, packed))
+        if info.orbax is None and to_read and not (self.step_dir(step) / item).exists():
+            # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
+            name, request = next(iter(to_read.items()))
+            _check_read(step, item, name, None, request, self.directory)
         # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
         # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
         # thousands of leaves under it took 2.5x longer.)
@@ -426,6 +487,24 @@ class OrbaxStore:
             for name in batch:
                 _check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
+        return out
+
+    def _read_packed(
+        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
+    ) -> dict[str, Any]:
+        """The packed leaves `requests` names, in batches of restore_inflight_bytes."""
+        key = (info.folder(self.directory), info.saved_at)
+        out: dict[str, Any] = {}
+        with _read_errors(info.step, item, self.directory):
+            try:
+                if key not in self._packed:
+                    self._packed[key] = _packed.PackedStep(
+                        key[0] / _layout.PACKED, info.process_count or 1
+                    )
+                for batch in read_batches(requests, self._restore_inflight_bytes):
+                    out.update(self._packed[key].read(item, {n: requests[n] for n in batch}))
+            except (ValueError, OSError) as e:  # files that are not what jaxckpt writes
+                raise CorruptCheckpointError(info.step, [str(e)], str(self.directory)) from None
         return out
 
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
@@ -451,6 +530,7 @@ class OrbaxStore:
             )
         if self._lock is not None:
             self._lock.check()
+        self._packed = {k: v for k, v in self._packed.items() if k[0] != self.step_dir(step)}
         if jax.process_index() == 0:
             if is_remote(self.directory):
                 (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")

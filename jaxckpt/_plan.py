@@ -8,6 +8,7 @@ is read once), the device memory those slices fill, and an estimate of its peak 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -177,12 +178,24 @@ def process_bytes(
     if request.sharding is None:
         size = math.prod(request.shape) * itemsize
         return {p: (size, 0) for p in range(jax.process_count())}
+    if process_of is None:  # a state repeats a few shardings and shapes over its leaves
+        return _sharded_bytes(request.sharding, tuple(request.shape), itemsize)
+    return _sharded_bytes.__wrapped__(request.sharding, request.shape, itemsize, process_of)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sharded_bytes(
+    sharding: jax.sharding.Sharding,
+    shape: tuple[int, ...],
+    itemsize: int,
+    process_of: ProcessOf | None = None,
+) -> dict[int, tuple[int, int]]:
     distinct: dict[int, dict[tuple, int]] = {}  # per process: the bytes of each distinct slice
     held: dict[int, int] = {}
-    for device, index in request.sharding.devices_indices_map(request.shape).items():
+    for device, index in sharding.devices_indices_map(shape).items():
         p = device.process_index if process_of is None else process_of(device)
         nbytes = itemsize * math.prod(
-            len(range(*s.indices(n))) for s, n in zip(index, request.shape, strict=True)
+            len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)
         )
         distinct.setdefault(p, {})[tuple((s.start, s.stop) for s in index)] = nbytes
         held[p] = held.get(p, 0) + nbytes

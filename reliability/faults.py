@@ -12,7 +12,9 @@ from pathlib import Path
 
 
 def largest_data_file(step_dir: Path) -> Path:
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    """The step's largest file of array data: an Orbax array's, or a process's packed
+    small leaves (format 2)."""
+    files = [p for d in ("state", "packed") for p in (step_dir / d).rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
 
 

@@ -455,9 +455,13 @@ def test_export_orbax_refuses_an_output_it_would_clobber(jaxckpt_step, tmp_path)
     assert result.exit_code != 0 and "only with --format safetensors" in result.output
 
 
-def test_plain_orbax_reads_a_jaxckpt_step_directly(jaxckpt_step):
-    # A jaxckpt step is an Orbax step: its state item holds the leaves under their names.
-    with ocp.CheckpointManager(jaxckpt_step) as m:
+def test_plain_orbax_reads_a_jaxckpt_step_directly(tmp_path, mesh):
+    # A jaxckpt step is an Orbax step: its state item holds the leaves under their names,
+    # every one of them when small leaves are not packed (else only those above 1 MiB).
+    directory = tmp_path / "unpacked"
+    with jaxckpt.CheckpointManager(directory, pack_small_leaves=False) as m:
+        m.save(3, state=train_state(mesh))
+    with ocp.CheckpointManager(directory) as m:
         assert m.all_steps() == [3]
         got = m.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     flat = got["state"]

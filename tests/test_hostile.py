@@ -123,9 +123,9 @@ HOSTILE = {
     ),
     "json-newer-format": lambda d, out: edit_info(d / "2", lambda i: i.update(format=99)),
     "json-items-missing": lambda d, out: edit_info(d / "2", lambda i: i.pop("items")),
-    "manifest-entry-int": lambda d, out: set_manifest_entry(d / "2", "state/_METADATA", 5),
+    "manifest-entry-int": lambda d, out: set_manifest_entry(d / "2", "packed/0-of-1.json", 5),
     "manifest-size-str": lambda d, out: set_manifest_entry(
-        d / "2", "state/_METADATA", {"size": "big", "xxh3_128": "0"}
+        d / "2", "packed/0-of-1.json", {"size": "big", "xxh3_128": "0"}
     ),
     "manifest-not-json": lambda d, out: (d / "2/jaxckpt/manifest.json").write_text("]["),
     "unicode-digit-folders": lambda d, out: [
@@ -137,13 +137,13 @@ HOSTILE = {
         shutil.copytree(d / "2", out / "step"),
         (d / "7").symlink_to(out / "step"),
     ],
-    "link-in-step": lambda d, out: (d / "2/state/d.link").symlink_to(out / "fifo"),
-    "linked-folder-in-step": lambda d, out: (d / "2/state/linked").symlink_to(out),
+    "link-in-step": lambda d, out: (d / "2/packed/d.link").symlink_to(out / "fifo"),
+    "linked-folder-in-step": lambda d, out: (d / "2/packed/linked").symlink_to(out),
     "info-is-a-link": lambda d, out: [
         (d / "2/jaxckpt/jaxckpt.json").unlink(),
         (d / "2/jaxckpt/jaxckpt.json").symlink_to(out / "fifo"),
     ],
-    "fifo-in-step": lambda d, out: os.mkfifo(d / "2/state/fifo"),
+    "fifo-in-step": lambda d, out: os.mkfifo(d / "2/packed/fifo"),
     "ghost-leaf": lambda d, out: edit_info(d / "2", _ghost_leaf),
     "data-state-garbage": lambda d, out: _garbage_data_state(d / "2"),
     "empty-step-folder": lambda d, out: (d / "3").mkdir(),
@@ -323,24 +323,24 @@ def test_a_whole_directory_removed_under_a_writer(ckpt, mesh):
 
 @pytest.mark.timeout(60)
 def test_verify_and_restore_never_follow_a_link_out_of_a_step(ckpt, outside, mesh):
-    (ckpt / "2/state/evil").symlink_to(outside)  # holds a FIFO: opening it would hang
+    (ckpt / "2/packed/evil").symlink_to(outside)  # holds a FIFO: opening it would hang
     (report,) = jaxckpt.verify(ckpt, 2)
     assert report.problems == (
-        "state/evil: a symbolic link (jaxckpt reads nothing through a link)",
+        "packed/evil: a symbolic link (jaxckpt reads nothing through a link)",
     )
     reader = jaxckpt.CheckpointManager(ckpt, read_only=True, verify_on_restore=False)
-    with pytest.raises(errors.CorruptCheckpointError, match="state/evil: a symbolic link"):
+    with pytest.raises(errors.CorruptCheckpointError, match="packed/evil: a symbolic link"):
         reader.restore(2, state=target(mesh))
-    with pytest.raises(errors.CorruptCheckpointError, match="state/evil: a symbolic link"):
+    with pytest.raises(errors.CorruptCheckpointError, match="packed/evil: a symbolic link"):
         jaxckpt.export_safetensors(ckpt, ckpt.parent / "hf", step=2)
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).restore(fallback=True).step == 1
 
 
 @pytest.mark.timeout(60)
 def test_a_fifo_in_a_step_is_reported_not_opened(ckpt):
-    os.mkfifo(ckpt / "2/state/fifo")
+    os.mkfifo(ckpt / "2/packed/fifo")
     (report,) = jaxckpt.verify(ckpt, 2)
-    assert report.problems == ("state/fifo: not a regular file (a FIFO, socket or device)",)
+    assert report.problems == ("packed/fifo: not a regular file (a FIFO, socket or device)",)
 
 
 def test_a_symlinked_step_folder_is_not_a_step(ckpt, outside):
@@ -399,13 +399,16 @@ def test_a_step_with_garbage_metadata_is_listed_as_damaged(ckpt, mesh):
 @pytest.mark.parametrize(
     ("entry", "field"),
     [
-        (5, "files\\['state/_METADATA'\\] is not an object"),
-        ({"size": "big", "xxh3_128": "0"}, "files\\['state/_METADATA'\\].size is not a byte count"),
-        ({"size": 3}, "files\\['state/_METADATA'\\].xxh3_128 is not a hex digest"),
+        (5, "files\\['packed/0-of-1.json'\\] is not an object"),
+        (
+            {"size": "big", "xxh3_128": "0"},
+            "files\\['packed/0-of-1.json'\\].size is not a byte count",
+        ),
+        ({"size": 3}, "files\\['packed/0-of-1.json'\\].xxh3_128 is not a hex digest"),
     ],
 )
 def test_a_malformed_manifest_entry_is_reported_by_name(ckpt, mesh, entry, field):
-    set_manifest_entry(ckpt / "2", "state/_METADATA", entry)
+    set_manifest_entry(ckpt / "2", "packed/0-of-1.json", entry)
     (report,) = jaxckpt.verify(ckpt, 2)
     assert len(report.problems) == 1 and re.search(field, report.problems[0])
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).restore(fallback=True).step == 1

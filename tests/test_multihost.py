@@ -5,9 +5,13 @@ processes with another mesh; saved from 1 process, restored on 2. Every process 
 shards it holds against the global array.
 """
 
+import json
+
 import pytest
 from children import multihost_checkpoints as job
 from multihost import run_job
+
+from reliability.faults import largest_data_file
 
 
 @pytest.fixture
@@ -19,6 +23,17 @@ def saved_on_two_hosts(tmp_path):
         "process_1-of-2.json",
     ]
     return tmp_path
+
+
+def test_each_process_packs_only_the_first_replica_of_its_own_shards(saved_on_two_hosts):
+    packed = saved_on_two_hosts / "5" / "packed"
+    index = [json.loads((packed / f"{p}-of-2.json").read_text()) for p in (0, 1)]
+    w = [doc["leaves"]["state"]["w"]["pieces"] for doc in index]
+    assert len(w[0]) == len(w[1]) == 4  # w on a (4, 2) mesh: 4 of its 8 shards each
+    assert not {str(b) for _, b in w[0]} & {str(b) for _, b in w[1]}  # none written twice
+    assert "step" in index[0]["leaves"]["state"] and "step" not in index[1]["leaves"]["state"]
+    for doc, p in zip(index, (0, 1), strict=True):
+        assert (packed / f"{p}-of-2.bin").stat().st_size == doc["bytes"]
 
 
 @pytest.mark.parametrize(
@@ -100,8 +115,7 @@ def test_a_process_dying_after_the_write_barrier_leaves_a_whole_step_and_says_so
 
 def test_two_processes_agree_that_a_corrupt_step_is_corrupt(saved_on_two_hosts):
     # Each process checks a share of the files: both must refuse, whichever found the damage.
-    files = [p for p in (saved_on_two_hosts / "5" / "state").rglob("*") if p.is_file()]
-    victim = max(files, key=lambda p: p.stat().st_size)
+    victim = largest_data_file(saved_on_two_hosts / "5")
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))

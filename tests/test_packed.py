@@ -76,3 +76,179 @@ def test_a_format_1_step_restores_bitwise(format1, mesh, onto):
 def test_a_format_1_step_verifies(format1):
     (report,) = jaxckpt.verify(format1)
     assert report.ok and report.checksummed and report.files > 10
+
+
+# --- format 2: small leaves packed -------------------------------------------------------
+
+
+def _mesh(shape):
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _small_and_big(mesh):
+    """Leaves of every kind packing meets, and one above the packing limit."""
+    rng = np.random.default_rng(0)
+
+    def put(x, spec):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return {
+        "sharded": put(rng.standard_normal((16, 8), np.float32), P("data", "model")),
+        "rows": put(rng.standard_normal((12, 5), np.float32), P("data")),  # 12 rows on 4
+        "replicated": put(rng.standard_normal((7,), np.float32), P()),
+        "bf16": put(rng.standard_normal((8, 8)).astype(jax.numpy.bfloat16), P(None, "model")),
+        "flags": put(rng.random((8, 4)) > 0.5, P("data")),
+        "int8": put(rng.integers(-100, 100, (4, 4), dtype=np.int8), P("model")),
+        "one_device": jax.device_put(np.arange(6, dtype=np.int32), jax.devices()[3]),
+        "host": np.arange(10, dtype=np.float64),
+        "scalar": 3.5,
+        "big": put(rng.standard_normal((1024, 512), np.float32), P("data", "model")),  # 2 MiB
+    }
+
+
+def _target(state, mesh=None):
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = x.sharding
+        if mesh is not None:
+            spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+            sharding = NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(leaf, state)
+
+
+def _assert_bitwise(got, want):
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, jax.Array | np.ndarray):
+            assert np.asarray(g).dtype == np.asarray(w).dtype, name
+            assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), name
+        else:
+            assert g == w, name
+
+
+def test_small_leaves_are_packed_and_restore_bitwise_anywhere(mesh, ckpt_dir):
+    state = _small_and_big(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state, rng=jax.random.key(3))
+    doc = json.loads((ckpt_dir / "1/jaxckpt/jaxckpt.json").read_text())
+    assert doc["format"] == 2
+    assert doc["packed"]["state"] == sorted(set(state) - {"big"})
+    assert len(doc["packed"]["rng"]) == 1  # the key's data
+    assert sorted(p.name for p in (ckpt_dir / "1/packed").iterdir()) == [
+        "0-of-1.bin",
+        "0-of-1.json",
+        "commit_success.txt",
+    ]
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        same = m.restore(state=_target(state), rng=jax.random.key(0))
+        other = m.restore(state=_target(state, _mesh((2, 4))))
+        host = m.restore()
+    _assert_bitwise(same.state, state)
+    assert jax.random.key_data(same.rng).tolist() == jax.random.key_data(jax.random.key(3)).tolist()
+    for name, leaf in state.items():
+        if isinstance(leaf, jax.Array):
+            assert same.state[name].sharding == leaf.sharding, name
+    _assert_bitwise(other.state, state)
+    assert other.state["sharded"].sharding.mesh.devices.shape == (2, 4)
+    _assert_bitwise(host.state, state)
+    assert isinstance(host.state["sharded"], np.ndarray)
+    host.state["sharded"][0, 0] = 1.0  # a host array restored is the caller's to change
+
+
+def test_a_partial_restore_reads_only_the_packed_leaves_asked_for(mesh, ckpt_dir):
+    state = _small_and_big(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+    target = {k: v for k, v in _target(state).items() if k in ("rows", "big")}
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        got = m.restore(state=target, partial=True).state
+    assert set(got) == {"rows", "big"}
+    _assert_bitwise(got, {k: state[k] for k in got})
+
+
+def test_pack_small_leaves_false_writes_every_leaf_as_an_orbax_array(mesh, ckpt_dir):
+    import orbax.checkpoint as ocp
+
+    state = {"w": _small_and_big(mesh)["sharded"], "b": np.arange(3.0)}
+    with jaxckpt.CheckpointManager(ckpt_dir, pack_small_leaves=False) as m:
+        m.save(1, state=state)
+    assert not (ckpt_dir / "1/packed").exists()
+    assert json.loads((ckpt_dir / "1/jaxckpt/jaxckpt.json").read_text())["packed"] == {}
+    with ocp.CheckpointManager(ckpt_dir) as plain:
+        got = plain.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    np.testing.assert_array_equal(got["state"]["w"], np.asarray(state["w"]))
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        _assert_bitwise(m.restore(state=_target(state)).state, state)
+
+
+def _saved(mesh, ckpt_dir):
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=_small_and_big(mesh))
+    return ckpt_dir / "1/packed"
+
+
+def test_a_truncated_packed_file_fails_verify_and_restore(mesh, ckpt_dir):
+    packed = _saved(mesh, ckpt_dir)
+    blob = packed / "0-of-1.bin"
+    blob.write_bytes(blob.read_bytes()[:-100])
+    (report,) = jaxckpt.verify(ckpt_dir)
+    assert not report.ok and any("0-of-1.bin" in p for p in report.problems)
+    m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
+    with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=r"0-of-1\.bin ends at"):
+        m.restore(state=_target(_small_and_big(mesh)))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: "not json", "0-of-1.json is unreadable"),
+        (lambda d: {**d, "format": 9}, "is not an index of packed leaves"),
+        (lambda d: {**d, "leaves": {"state": {"rows": {"dtype": "float32"}}}}, "entry"),
+        (lambda d: _shrink_piece(d, "rows"), "hold 45 of its 60 elements"),
+        (lambda d: _shift_piece(d, "rows", 10**9), "ends past the file"),
+        (lambda d: _set(d, "rows", "dtype", "no-such-type"), "is not a dtype"),
+    ],
+)
+def test_a_damaged_packed_index_is_a_corrupt_checkpoint(mesh, ckpt_dir, edit, match):
+    packed = _saved(mesh, ckpt_dir)
+    index = packed / "0-of-1.json"
+    edited = edit(json.loads(index.read_text()))
+    index.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
+    with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=match):
+        m.restore(state=_target(_small_and_big(mesh)))
+
+
+def _shrink_piece(doc, name):
+    (piece,) = doc["leaves"]["state"][name]["pieces"]  # one process holds all of the leaf
+    piece[1][0][1] -= 3
+    return doc
+
+
+def _shift_piece(doc, name, by):
+    doc["leaves"]["state"][name]["pieces"][0][0] += by
+    return doc
+
+
+def _set(doc, name, key, value):
+    doc["leaves"]["state"][name][key] = value
+    return doc
+
+
+def test_a_step_deleted_and_saved_again_restores_its_new_leaves(mesh, ckpt_dir):
+    # One manager reads step 1, deletes it, saves step 1 anew: the packed index it read
+    # first must not be used for the new files.
+    state = _small_and_big(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+        m.wait()
+        _assert_bitwise(m.restore(state=_target(state)).state, state)
+        m._store.delete(1)  # (as retention does, which never deletes the newest step)
+        changed = {k: v for k, v in state.items() if k != "bf16"}  # the others move up
+        changed["rows"] = changed["rows"] * 2
+        m.save(1, state=changed)
+        m.wait()
+        _assert_bitwise(m.restore(state=_target(changed)).state, changed)

@@ -748,8 +748,9 @@ def test_zstd_compression_is_smaller_on_disk_and_restores_anywhere(mesh, ckpt_di
     """compression="zstd" shrinks compressible data; any manager reads either kind back."""
     state = {"w": put(jnp.tile(jnp.arange(64, dtype=jnp.float32), (256, 16)), mesh, P("data"))}
 
-    def state_bytes(step):
-        files = (ckpt_dir / str(step) / "state").rglob("*")
+    def state_bytes(step):  # the array bytes: Orbax's and packed leaves' (not with zstd)
+        files = [*(ckpt_dir / str(step) / "state").rglob("*")]
+        files += (ckpt_dir / str(step) / "packed").rglob("*")
         return sum(f.stat().st_size for f in files if f.is_file())
 
     with jaxckpt.CheckpointManager(ckpt_dir, compression="zstd") as m:

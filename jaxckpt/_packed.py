@@ -1,0 +1,372 @@
+"""Small leaves packed per process (format 2): the one owner of the packed files.
+
+Orbax and tensorstore write each leaf as an array of its own, and each array costs a few
+milliseconds to save and to restore whatever its size (BENCHMARKS.md, leaf-count sweep).
+A leaf of at most MAX_LEAF_BYTES is instead copied off the devices with the rest and
+written, with every other small leaf this process holds, into one file of bytes:
+
+    <step>/packed/<i>-of-<n>.bin     process i's pieces, back to back
+    <step>/packed/<i>-of-<n>.json    their index: {"format": 1, "bytes": size, "leaves":
+                                     {item: {name: {"dtype": ..., "shape": [...],
+                                      "pieces": [[offset, [[start, stop], ...]], ...]}}}}
+
+A piece is one distinct shard of a leaf (replica 0 of it: each written once in the job),
+or the whole leaf where this process holds all of it. A reader takes the pieces that
+overlap what its devices need, from any process's file: a step restores onto any mesh and
+process count, as Orbax's arrays do. Files are written in the save's background, inside
+the step's temporary folder, so Orbax's commit and jaxckpt's manifest cover them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from jaxckpt._layout import INFO_PATH, PACKED
+from jaxckpt._storage import is_remote, open_inside
+from jaxckpt._tree import ReadRequest
+
+MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
+INDEX_FORMAT = 1
+_MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
+
+
+def is_small(value: Any) -> bool:
+    """Whether a leaf to save is packed rather than written as an array of its own."""
+    return value.nbytes <= MAX_LEAF_BYTES
+
+
+def file_names(process: int, count: int) -> tuple[str, str]:
+    """Process `process`'s files (bytes, index) in the step's packed folder."""
+    return f"{process}-of-{count}.bin", f"{process}-of-{count}.json"
+
+
+# --- saving --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HostPieces:
+    """This process's pieces of the small leaves, on the host: what the background writes."""
+
+    index: dict[str, dict[str, dict[str, Any]]]
+    chunks: list[np.ndarray]
+    size: int
+
+    def blob(self) -> np.ndarray:
+        """The bytes of every piece, back to back (as the index's offsets say)."""
+        if not self.chunks:
+            return np.zeros(0, np.uint8)
+        return np.concatenate([c.reshape(-1).view(np.uint8) for c in self.chunks])
+
+    def index_json(self) -> str:
+        return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": self.index})
+
+
+_PIECE_PLANS: dict[tuple, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+
+
+def _piece_plan(value: jax.Array) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """Which of the array's addressable shards this process writes (replica 0 of each
+    distinct one), by position, with the bounds of each: cached per sharding and shape, as
+    training states repeat a few of them over thousands of leaves."""
+    key = (value.sharding, value.shape)
+    plan = _PIECE_PLANS.get(key)
+    if plan is None:
+        plan = [
+            (i, _bounds(shard.index, value.shape))
+            for i, shard in enumerate(value.addressable_shards)
+            if shard.replica_id == 0
+        ]
+        if len(_PIECE_PLANS) > 1024:
+            _PIECE_PLANS.clear()
+        _PIECE_PLANS[key] = plan
+    return plan
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
+    )
+
+
+def to_host(items: Mapping[str, Mapping[str, Any]]) -> HostPieces:
+    """Copies this process's pieces of the small leaves (`{item: {name: value}}`) to the
+    host: the part of a save that blocks the training step. A jax.Array this process holds
+    whole is one piece; of one spread over processes, each distinct shard it holds the
+    first replica of; a NumPy leaf (the same on every process) is written by process 0."""
+    if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
+        for arrays in items.values():  # devices' memory is the host's: nothing to start)
+            for value in arrays.values():
+                if isinstance(value, jax.Array):
+                    value.copy_to_host_async()
+    index: dict[str, dict[str, dict[str, Any]]] = {}
+    chunks: list[np.ndarray] = []
+    offset = 0
+    first = jax.process_index() == 0
+    for item, arrays in items.items():
+        entries = index.setdefault(item, {})
+        for name, value in arrays.items():
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                found = [
+                    (np.asarray(value.addressable_data(i)), bounds)
+                    for i, bounds in _piece_plan(value)
+                ]
+            elif first:
+                whole = tuple((0, n) for n in value.shape)
+                found = [(np.asarray(value), whole)]
+            else:
+                continue
+            if not found:
+                continue
+            pieces = []
+            for host, bounds in found:
+                host = np.ascontiguousarray(host)
+                pieces.append([offset, [list(b) for b in bounds]])
+                chunks.append(host)
+                offset += host.nbytes
+            entries[name] = {
+                "dtype": found[0][0].dtype.name,
+                "shape": list(value.shape),
+                "pieces": pieces,
+            }
+    return HostPieces(index, chunks, offset)
+
+
+def write(folder: epath.Path, pieces: HostPieces) -> None:
+    """This process's files in the step's packed folder (in the save's background)."""
+    data, index = file_names(jax.process_index(), jax.process_count())
+    for name, content in ((data, pieces.blob()), (index, pieces.index_json().encode())):
+        if is_remote(folder):  # an object appears whole or not at all
+            (folder / name).write_bytes(bytes(content))
+            continue
+        with open(folder / name, "wb") as f:  # as durable as tensorstore's own files
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    process: int
+    offset: int
+    bounds: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
+class PackedStep:
+    """The packed leaves of one step: every process's index, read and checked once.
+    ValueError (naming the file and what is wrong in it) for an index that is not what
+    jaxckpt writes, or that does not cover each leaf it lists."""
+
+    def __init__(self, folder: epath.Path, processes: int):
+        self.folder = folder
+        self.processes = processes
+        self._sizes: dict[int, int] = {}
+        self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
+        for p in range(processes):
+            _, rel = file_names(p, processes)
+            try:
+                with open_inside(folder, rel) as f:
+                    doc = json.loads(f.read())
+            except FileNotFoundError:
+                continue  # a process that held no small leaf's first replica wrote none
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
+            self._add(p, doc, f"{PACKED}/{rel}")
+        if not self._sizes:
+            raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
+        for item, leaves in self._leaves.items():
+            for name, (_, shape, pieces) in leaves.items():
+                covered = sum(math.prod(b - a for a, b in p.bounds) for p in pieces)
+                if covered != math.prod(shape):
+                    raise ValueError(
+                        f"{PACKED}/: the pieces of {item} leaf {name!r} hold {covered} of its "
+                        f"{math.prod(shape)} elements (a process's files are missing or damaged)"
+                    )
+
+    def _add(self, process: int, doc: Any, where: str) -> None:
+        if not (
+            isinstance(doc, dict)
+            and doc.get("format") == INDEX_FORMAT
+            and _is_count(doc.get("bytes"))
+            and isinstance(doc.get("leaves"), dict)
+        ):
+            raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
+        self._sizes[process] = doc["bytes"]
+        for item, leaves in doc["leaves"].items():
+            if not isinstance(leaves, dict):
+                raise ValueError(f"{where}: item {item!r} is not an object of leaves")
+            known = self._leaves.setdefault(item, {})
+            for name, entry in leaves.items():
+                dtype, shape, pieces = _entry(entry, process, doc["bytes"], f"{where}: {name!r}")
+                if name in known:
+                    if known[name][:2] != (dtype, shape):
+                        raise ValueError(f"{where}: {name!r} differs from another process's")
+                    known[name][2].extend(pieces)
+                else:
+                    known[name] = (dtype, shape, pieces)
+
+    def names(self, item: str) -> set[str]:
+        return set(self._leaves.get(item, {}))
+
+    def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        """The leaves `requests` names, each onto its sharding (or to the host)."""
+        leaves = self._leaves.get(item, {})
+        wanted: dict[str, list[_Piece]] = {}
+        for name, request in requests.items():
+            if name not in leaves:
+                raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
+            dtype, shape, pieces = leaves[name]
+            if shape != tuple(request.shape):
+                raise ValueError(
+                    f"{item} leaf {name!r} is stored with shape {shape}, but {INFO_PATH} "
+                    f"records shape {tuple(request.shape)}"
+                )
+            regions = _regions(request, shape)
+            wanted[name] = [p for p in pieces if regions is None or _overlaps(p, regions)]
+        blobs = self._read_pieces([p for ps in wanted.values() for p in ps])
+        hosts = {}
+        for name, pieces in wanted.items():
+            dtype, shape, _ = leaves[name]
+            hosts[name] = _assemble(dtype, shape, pieces, blobs).astype(
+                requests[name].dtype, copy=False
+            )
+        return place(hosts, requests)
+
+    def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
+        """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
+        less than _MERGE_GAP apart in one process's file is one read."""
+        by_process: dict[int, list[_Piece]] = {}
+        for p in pieces:
+            by_process.setdefault(p.process, []).append(p)
+        out: dict[_Piece, np.ndarray] = {}
+        for process, found in by_process.items():
+            found.sort(key=lambda p: p.offset)
+            runs: list[list[_Piece]] = [[found[0]]]
+            for p in found[1:]:
+                last = runs[-1][-1]
+                if p.offset - (last.offset + last.nbytes) < _MERGE_GAP:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            rel = f"{file_names(process, self.processes)[0]}"
+            with open_inside(self.folder, rel) as f:
+                for run in runs:
+                    start = run[0].offset
+                    stop = max(p.offset + p.nbytes for p in run)
+                    f.seek(start)
+                    buf = bytearray(stop - start)  # writable: a host leaf may be its view
+                    got = f.readinto(buf)
+                    if got != stop - start:
+                        raise ValueError(
+                            f"{PACKED}/{rel} ends at byte {start + got}, before the "
+                            f"pieces its index places up to byte {stop}"
+                        )
+                    view = np.frombuffer(buf, np.uint8)
+                    for p in run:
+                        out[p] = view[p.offset - start : p.offset - start + p.nbytes]
+        return out
+
+
+def place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:
+    """Host arrays onto their requests' shardings (None: left on the host). One process:
+    one `jax.device_put` per sharding, for all its leaves at once; several: each process
+    places the slices its devices hold (the rest of a host array is never read)."""
+    out: dict[str, Any] = {}
+    groups: dict[jax.sharding.Sharding, list[str]] = {}
+    for name, host in hosts.items():
+        sharding = requests[name].sharding
+        if sharding is None:
+            out[name] = host
+        elif jax.process_count() > 1:
+            out[name] = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
+        else:
+            groups.setdefault(sharding, []).append(name)
+    for sharding, names in groups.items():
+        out.update(zip(names, jax.device_put([hosts[n] for n in names], sharding), strict=True))
+    return out
+
+
+def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("shape"), list)
+        and all(_is_count(n) for n in entry["shape"])
+        and isinstance(entry.get("pieces"), list)
+    ):
+        raise ValueError(f"{where} is not a packed leaf's entry")
+    try:
+        dtype = np.dtype(jax.numpy.dtype(entry["dtype"]))
+    except TypeError:
+        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype") from None
+    shape = tuple(entry["shape"])
+    pieces = []
+    for piece in entry["pieces"]:
+        if not (
+            isinstance(piece, list)
+            and len(piece) == 2
+            and _is_count(piece[0])
+            and isinstance(piece[1], list)
+            and len(piece[1]) == len(shape)
+            and all(
+                isinstance(b, list)
+                and len(b) == 2
+                and all(_is_count(x) for x in b)
+                and b[0] <= b[1] <= n
+                for b, n in zip(piece[1], shape, strict=True)
+            )
+        ):
+            raise ValueError(f"{where}: a piece is not [offset, [[start, stop], ...]] within shape")
+        bounds = tuple((a, b) for a, b in piece[1])
+        nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
+        if piece[0] + nbytes > size:
+            raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
+        pieces.append(_Piece(process, piece[0], bounds, nbytes))
+    return dtype, shape, pieces
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:
+    """The regions of the leaf this process's devices need (None: all of it)."""
+    if request.sharding is None or request.sharding.is_fully_addressable:
+        return None
+    indices = request.sharding.addressable_devices_indices_map(shape).values()
+    return list({_bounds(i, shape) for i in indices})
+
+
+def _overlaps(piece: _Piece, regions: list) -> bool:
+    return any(
+        all(a < d and c < b for (a, b), (c, d) in zip(piece.bounds, r, strict=True))
+        for r in regions
+    )
+
+
+def _assemble(
+    dtype: np.dtype, shape: tuple[int, ...], pieces: list[_Piece], blobs: Mapping
+) -> np.ndarray:
+    """The leaf on the host from its pieces (where a process needs part of a leaf, only
+    that part is filled: the rest is never placed)."""
+    if len(pieces) == 1 and all(
+        b - a == n for (a, b), n in zip(pieces[0].bounds, shape, strict=True)
+    ):
+        return blobs[pieces[0]].view(dtype).reshape(shape)
+    host = np.empty(shape, dtype)
+    for p in pieces:
+        part = tuple(b - a for a, b in p.bounds)
+        host[tuple(slice(a, b) for a, b in p.bounds)] = blobs[p].view(dtype).reshape(part)
+    return host
