@@ -20,10 +20,11 @@ the step's temporary folder, so Orbax's commit and jaxckpt's manifest cover them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -54,20 +55,32 @@ def file_names(process: int, count: int) -> tuple[str, str]:
 
 @dataclasses.dataclass
 class HostPieces:
-    """This process's pieces of the small leaves, on the host: what the background writes."""
+    """This process's pieces of the small leaves, on the host: what the background writes.
+    A chunk is a piece's array, or (shape, dtype, [(shard, bounds), ...]) for a leaf that
+    this process holds whole in shards: assembled into one piece in the background."""
 
     index: dict[str, dict[str, dict[str, Any]]]
-    chunks: list[np.ndarray]
+    chunks: list[Any]
     size: int
 
     def blob(self) -> np.ndarray:
         """The bytes of every piece, back to back (as the index's offsets say)."""
         if not self.chunks:
             return np.zeros(0, np.uint8)
-        return np.concatenate([c.reshape(-1).view(np.uint8) for c in self.chunks])
+        return np.concatenate([_whole(c).reshape(-1).view(np.uint8) for c in self.chunks])
 
     def index_json(self) -> str:
         return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": self.index})
+
+
+def _whole(chunk: Any) -> np.ndarray:
+    if isinstance(chunk, np.ndarray):
+        return chunk
+    shape, dtype, shards = chunk
+    host = np.empty(shape, dtype)
+    for shard, bounds in shards:
+        host[tuple(slice(a, b) for a, b in bounds)] = shard
+    return host
 
 
 _PIECE_PLANS: dict[tuple, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
@@ -97,46 +110,48 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
     )
 
 
-def to_host(items: Mapping[str, Mapping[str, Any]]) -> HostPieces:
+def to_host(
+    items: Mapping[str, Mapping[str, Any]], buffers: Callable[[jax.Array], Sequence[Any]]
+) -> HostPieces:
     """Copies this process's pieces of the small leaves (`{item: {name: value}}`) to the
-    host: the part of a save that blocks the training step. A jax.Array this process holds
-    whole is one piece; of one spread over processes, each distinct shard it holds the
-    first replica of; a NumPy leaf (the same on every process) is written by process 0."""
+    host: the part of a save that blocks the training step, so only each shard's copy
+    happens here (`buffers(array)`: its addressable single-device arrays, in the order of
+    `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
+    donates). A jax.Array this process holds whole is one piece (assembled in the
+    background); of one spread over processes, each distinct shard it holds the first
+    replica of; a NumPy leaf (the same on every process) is written by process 0."""
     if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
         for arrays in items.values():  # devices' memory is the host's: nothing to start)
             for value in arrays.values():
                 if isinstance(value, jax.Array):
                     value.copy_to_host_async()
     index: dict[str, dict[str, dict[str, Any]]] = {}
-    chunks: list[np.ndarray] = []
+    chunks: list[Any] = []
     offset = 0
     first = jax.process_index() == 0
     for item, arrays in items.items():
         entries = index.setdefault(item, {})
         for name, value in arrays.items():
-            if isinstance(value, jax.Array) and not value.is_fully_addressable:
-                found = [
-                    (np.asarray(value.addressable_data(i)), bounds)
-                    for i, bounds in _piece_plan(value)
-                ]
+            shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+            whole = tuple((0, n) for n in shape)
+            if isinstance(value, jax.Array):
+                plan = _piece_plan(value)
+                if not plan:
+                    continue
+                shards = buffers(value)
+                found = [(np.asarray(shards[i]), bounds) for i, bounds in plan]
+                if value.is_fully_addressable and (len(found) > 1 or found[0][1] != whole):
+                    found = [((shape, dtype, found), whole)]
             elif first:
-                whole = tuple((0, n) for n in value.shape)
-                found = [(np.asarray(value), whole)]
+                found = [(np.ascontiguousarray(value), whole)]
             else:
                 continue
-            if not found:
-                continue
             pieces = []
-            for host, bounds in found:
-                host = np.ascontiguousarray(host)
+            for chunk, bounds in found:
                 pieces.append([offset, [list(b) for b in bounds]])
-                chunks.append(host)
-                offset += host.nbytes
-            entries[name] = {
-                "dtype": found[0][0].dtype.name,
-                "shape": list(value.shape),
-                "pieces": pieces,
-            }
+                chunks.append(chunk)
+                offset += math.prod(b - a for a, b in bounds) * dtype.itemsize
+            entries[name] = {"dtype": dtype.name, "shape": list(shape), "pieces": pieces}
     return HostPieces(index, chunks, offset)
 
 
@@ -220,8 +235,9 @@ class PackedStep:
     def names(self, item: str) -> set[str]:
         return set(self._leaves.get(item, {}))
 
-    def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
-        """The leaves `requests` names, each onto its sharding (or to the host)."""
+    def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
+        """The leaves `requests` names, on the host: each whole, or where this process's
+        devices need part of it, with that part filled (the rest is never to be read)."""
         leaves = self._leaves.get(item, {})
         wanted: dict[str, list[_Piece]] = {}
         for name, request in requests.items():
@@ -242,7 +258,7 @@ class PackedStep:
             hosts[name] = _assemble(dtype, shape, pieces, blobs).astype(
                 requests[name].dtype, copy=False
             )
-        return place(hosts, requests)
+        return hosts
 
     def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
         """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
@@ -279,62 +295,50 @@ class PackedStep:
         return out
 
 
-def place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:
-    """Host arrays onto their requests' shardings (None: left on the host). One process:
-    one `jax.device_put` per sharding, for all its leaves at once; several: each process
-    places the slices its devices hold (the rest of a host array is never read)."""
-    out: dict[str, Any] = {}
-    groups: dict[jax.sharding.Sharding, list[str]] = {}
-    for name, host in hosts.items():
-        sharding = requests[name].sharding
-        if sharding is None:
-            out[name] = host
-        elif jax.process_count() > 1:
-            out[name] = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
-        else:
-            groups.setdefault(sharding, []).append(name)
-    for sharding, names in groups.items():
-        out.update(zip(names, jax.device_put([hosts[n] for n in names], sharding), strict=True))
-    return out
-
-
 def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    pieces = entry.get("pieces") if isinstance(entry, dict) else None
     if not (
-        isinstance(entry, dict)
+        isinstance(shape, list)
+        and all(map(_is_count, shape))
+        and isinstance(pieces, list)
         and isinstance(entry.get("dtype"), str)
-        and isinstance(entry.get("shape"), list)
-        and all(_is_count(n) for n in entry["shape"])
-        and isinstance(entry.get("pieces"), list)
     ):
         raise ValueError(f"{where} is not a packed leaf's entry")
-    try:
-        dtype = np.dtype(jax.numpy.dtype(entry["dtype"]))
-    except TypeError:
-        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype") from None
-    shape = tuple(entry["shape"])
-    pieces = []
-    for piece in entry["pieces"]:
-        if not (
-            isinstance(piece, list)
-            and len(piece) == 2
-            and _is_count(piece[0])
-            and isinstance(piece[1], list)
-            and len(piece[1]) == len(shape)
-            and all(
-                isinstance(b, list)
-                and len(b) == 2
-                and all(_is_count(x) for x in b)
-                and b[0] <= b[1] <= n
-                for b, n in zip(piece[1], shape, strict=True)
+    dtype = _dtype(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype")
+    shape = tuple(shape)
+    out = []
+    for piece in pieces:
+        try:
+            offset, bounds = piece
+            bounds = tuple((a, b) for a, b in bounds)
+            ok = (
+                _is_count(offset)
+                and len(bounds) == len(shape)
+                and all(
+                    _is_count(a) and _is_count(b) and a <= b <= n
+                    for (a, b), n in zip(bounds, shape, strict=True)
+                )
             )
-        ):
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
             raise ValueError(f"{where}: a piece is not [offset, [[start, stop], ...]] within shape")
-        bounds = tuple((a, b) for a, b in piece[1])
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
-        if piece[0] + nbytes > size:
+        if offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        pieces.append(_Piece(process, piece[0], bounds, nbytes))
-    return dtype, shape, pieces
+        out.append(_Piece(process, offset, bounds, nbytes))
+    return dtype, shape, out
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> np.dtype | None:
+    try:
+        return np.dtype(jax.numpy.dtype(name))
+    except TypeError:
+        return None
 
 
 def _is_count(x: Any) -> bool:

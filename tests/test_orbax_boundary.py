@@ -58,3 +58,34 @@ def test_orbax_records_a_typed_keys_impl_in_its_array_metadata(tmp_path):
         f"Orbax's array_metadatas/ no longer name a typed key's impl as ext_metadata "
         f"random_key_impl (found {impls}): update _orbax._key_impls"
     )
+
+
+def test_an_arrays_device_buffers_come_in_the_order_of_its_shards(mesh):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
+    buffers = _orbax._device_buffers(x)
+    assert [b.devices() for b in buffers] == [{s.device} for s in x.addressable_shards], (
+        "jax.Array._arrays no longer lists the single-device arrays in the order of "
+        "addressable_shards: update _orbax._device_buffers"
+    )
+    for b, s in zip(buffers, x.addressable_shards, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(s.data))
+
+
+def test_jaxs_batched_device_put_places_host_arrays_as_device_put_does(mesh):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P("data", "model"))
+    hosts = [np.arange(64, dtype=np.float32).reshape(8, 8) + i for i in range(3)]
+    got = _orbax._put_batched(hosts, sharding)
+    for g, h in zip(got, hosts, strict=True):
+        assert g.sharding == sharding and g.shape == h.shape and g.dtype == h.dtype
+        assert [s.index for s in g.addressable_shards] == [
+            s.index for s in jax.device_put(h, sharding).addressable_shards
+        ]
+        np.testing.assert_array_equal(np.asarray(g), h)
