@@ -63,12 +63,6 @@ class HostPieces:
     chunks: list[Any]
     size: int
 
-    def blob(self) -> np.ndarray:
-        """The bytes of every piece, back to back (as the index's offsets say)."""
-        if not self.chunks:
-            return np.zeros(0, np.uint8)
-        return np.concatenate([_whole(c).reshape(-1).view(np.uint8) for c in self.chunks])
-
     def index_json(self) -> str:
         return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": self.index})
 
@@ -156,16 +150,28 @@ def to_host(
 
 
 def write(folder: epath.Path, pieces: HostPieces) -> None:
-    """This process's files in the step's packed folder (in the save's background)."""
+    """This process's files in the step's packed folder (in the save's background): the
+    pieces streamed in order, each leaf assembled only as its turn comes, so that the host
+    holds at most one leaf beyond what the save copied off the devices."""
     data, index = file_names(jax.process_index(), jax.process_count())
-    for name, content in ((data, pieces.blob()), (index, pieces.index_json().encode())):
-        if is_remote(folder):  # an object appears whole or not at all
-            (folder / name).write_bytes(bytes(content))
+    for name, chunks in ((data, pieces.chunks), (index, [pieces.index_json().encode()])):
+        if is_remote(folder):  # an object appears whole, once closed, or not at all
+            with (folder / name).open("wb") as f:
+                for chunk in chunks:
+                    f.write(_bytes(chunk))
             continue
-        with open(folder / name, "wb") as f:  # as durable as tensorstore's own files
-            f.write(content)
+        with open(folder / name, "wb", buffering=_WRITE_BUFFER) as f:
+            for chunk in chunks:
+                f.write(_bytes(chunk))
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # as durable as tensorstore's own files
+
+
+_WRITE_BUFFER = 8 * 2**20  # small pieces are gathered into writes of this size
+
+
+def _bytes(chunk: Any) -> Any:
+    return chunk if isinstance(chunk, bytes) else _whole(chunk).reshape(-1).view(np.uint8)
 
 
 # --- reading -------------------------------------------------------------------------------
