@@ -522,7 +522,7 @@ class OrbaxStore:
     def _read_packed(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
-        """The packed leaves `requests` names, in batches of restore_inflight_bytes."""
+        """The packed leaves `requests` names, in batches (`_packed.READ_BATCH_BYTES`)."""
         key = (info.folder(self.directory), info.saved_at)
         out: dict[str, Any] = {}
         with _read_errors(info.step, item, self.directory):
@@ -531,7 +531,8 @@ class OrbaxStore:
                     self._packed[key] = _packed.PackedStep(
                         key[0] / _layout.PACKED, info.process_count or 1
                     )
-                for batch in read_batches(requests, self._restore_inflight_bytes):
+                budget = min(self._restore_inflight_bytes, _packed.READ_BATCH_BYTES)
+                for batch in read_batches(requests, budget):
                     hosts = self._packed[key].read(item, {n: requests[n] for n in batch})
                     out.update(_place(hosts, requests))
             except (ValueError, OSError) as e:  # files that are not what jaxckpt writes

@@ -38,6 +38,9 @@ from jaxckpt._tree import ReadRequest
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 1
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
+# A restore reads packed leaves in batches of at most this many bytes (or its budget, if
+# smaller), each placed before the next is read: at most one batch's bytes wait on the host.
+READ_BATCH_BYTES = 64 * 2**20
 
 
 def is_small(value: Any) -> bool:
@@ -193,7 +196,6 @@ class PackedStep:
     def __init__(self, folder: epath.Path, processes: int):
         self.folder = folder
         self.processes = processes
-        self._sizes: dict[int, int] = {}
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
         for p in range(processes):
             _, rel = file_names(p, processes)
@@ -205,7 +207,7 @@ class PackedStep:
             except (OSError, ValueError) as e:
                 raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
             self._add(p, doc, f"{PACKED}/{rel}")
-        if not self._sizes:
+        if not self._leaves:
             raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
         for item, leaves in self._leaves.items():
             for name, (_, shape, pieces) in leaves.items():
@@ -224,7 +226,6 @@ class PackedStep:
             and isinstance(doc.get("leaves"), dict)
         ):
             raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
-        self._sizes[process] = doc["bytes"]
         for item, leaves in doc["leaves"].items():
             if not isinstance(leaves, dict):
                 raise ValueError(f"{where}: item {item!r} is not an object of leaves")
@@ -237,9 +238,6 @@ class PackedStep:
                     known[name][2].extend(pieces)
                 else:
                     known[name] = (dtype, shape, pieces)
-
-    def names(self, item: str) -> set[str]:
-        return set(self._leaves.get(item, {}))
 
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
@@ -282,7 +280,7 @@ class PackedStep:
                     runs[-1].append(p)
                 else:
                     runs.append([p])
-            rel = f"{file_names(process, self.processes)[0]}"
+            rel = file_names(process, self.processes)[0]
             with open_inside(self.folder, rel) as f:
                 for run in runs:
                     start = run[0].offset
