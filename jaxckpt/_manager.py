@@ -102,8 +102,8 @@ class CheckpointManager:
       pack_small_leaves: write every leaf of at most 1 MiB into one file per process
         (with an index to reshard from) rather than as an Orbax array of its own: thousands
         of small leaves save and restore at the speed of a few big ones (BENCHMARKS.md,
-        leaf-count sweep). False writes each leaf as plain Orbax reads it (README, "Plain
-        Orbax and jaxckpt steps"). Steps saved either way restore the same.
+        leaf-count sweep). False writes each leaf as plain Orbax reads it (README, "Coming
+        from Orbax"). Steps saved either way restore the same.
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.

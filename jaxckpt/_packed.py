@@ -59,23 +59,32 @@ def file_names(process: int, count: int) -> tuple[str, str]:
 @dataclasses.dataclass
 class HostPieces:
     """This process's pieces of the small leaves, on the host: what the background writes.
-    A chunk is a piece's array, or (shape, dtype, [(shard, bounds), ...]) for a leaf that
-    this process holds whole in shards: assembled into one piece in the background."""
+    `leaves`: (item, name, dtype, shape, [(offset, bounds), ...]) each; a chunk is a
+    piece's array, or (shape, dtype, plan, shards) for a leaf this process holds whole in
+    shards, assembled into one piece in the background. (Few objects a leaf: each one
+    made while the save blocks is one more for Python's next garbage collection to walk.)"""
 
-    index: dict[str, dict[str, dict[str, Any]]]
+    leaves: list[tuple]
     chunks: list[Any]
     size: int
 
     def index_json(self) -> str:
-        return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": self.index})
+        index: dict[str, dict[str, Any]] = {}
+        for item, name, dtype, shape, pieces in self.leaves:
+            index.setdefault(item, {})[name] = {
+                "dtype": dtype.name,
+                "shape": list(shape),
+                "pieces": [[offset, [list(b) for b in bounds]] for offset, bounds in pieces],
+            }
+        return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": index})
 
 
 def _whole(chunk: Any) -> np.ndarray:
     if isinstance(chunk, np.ndarray):
         return chunk
-    shape, dtype, shards = chunk
+    shape, dtype, plan, shards = chunk
     host = np.empty(shape, dtype)
-    for shard, bounds in shards:
+    for (_, bounds), shard in zip(plan, shards, strict=True):
         host[tuple(slice(a, b) for a, b in bounds)] = shard
     return host
 
@@ -122,34 +131,43 @@ def to_host(
             for value in arrays.values():
                 if isinstance(value, jax.Array):
                     value.copy_to_host_async()
-    index: dict[str, dict[str, dict[str, Any]]] = {}
+    leaves: list[tuple] = []
     chunks: list[Any] = []
     offset = 0
     first = jax.process_index() == 0
     for item, arrays in items.items():
-        entries = index.setdefault(item, {})
         for name, value in arrays.items():
-            shape, dtype = tuple(value.shape), np.dtype(value.dtype)
-            whole = tuple((0, n) for n in shape)
+            shape, dtype = value.shape, np.dtype(value.dtype)
             if isinstance(value, jax.Array):
                 plan = _piece_plan(value)
                 if not plan:
                     continue
-                shards = buffers(value)
-                found = [(np.asarray(shards[i]), bounds) for i, bounds in plan]
-                if value.is_fully_addressable and (len(found) > 1 or found[0][1] != whole):
-                    found = [((shape, dtype, found), whole)]
+                buffers_of = buffers(value)
+                shards = [np.asarray(buffers_of[i]) for i, _ in plan]
+                if value.is_fully_addressable and (len(plan) > 1 or plan[0][1] != _all(shape)):
+                    chunks.append((shape, dtype, plan, shards))
+                    leaves.append((item, name, dtype, shape, [(offset, _all(shape))]))
+                    offset += value.nbytes
+                    continue
+                chunks.extend(shards)
+                pieces = []
+                for (_, bounds), shard in zip(plan, shards, strict=True):
+                    pieces.append((offset, bounds))
+                    offset += shard.nbytes
             elif first:
-                found = [(np.ascontiguousarray(value), whole)]
+                chunks.append(np.ascontiguousarray(value))
+                pieces = [(offset, _all(shape))]
+                offset += value.nbytes
             else:
                 continue
-            pieces = []
-            for chunk, bounds in found:
-                pieces.append([offset, [list(b) for b in bounds]])
-                chunks.append(chunk)
-                offset += math.prod(b - a for a, b in bounds) * dtype.itemsize
-            entries[name] = {"dtype": dtype.name, "shape": list(shape), "pieces": pieces}
-    return HostPieces(index, chunks, offset)
+            leaves.append((item, name, dtype, shape, pieces))
+    return HostPieces(leaves, chunks, offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _all(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The bounds of a whole array of `shape`."""
+    return tuple((0, n) for n in shape)
 
 
 def write(folder: epath.Path, pieces: HostPieces) -> None:

@@ -179,7 +179,7 @@ def process_bytes(
         size = math.prod(request.shape) * itemsize
         return {p: (size, 0) for p in range(jax.process_count())}
     if process_of is None:  # a state repeats a few shardings and shapes over its leaves
-        return _sharded_bytes(request.sharding, tuple(request.shape), itemsize)
+        return dict(_sharded_bytes(request.sharding, tuple(request.shape), itemsize))
     return _sharded_bytes.__wrapped__(request.sharding, request.shape, itemsize, process_of)
 
 
