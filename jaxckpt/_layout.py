@@ -78,6 +78,7 @@ MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one
 # Of jaxckpt.json; a later format adds its reading of older ones here. 2: small leaves are
 # packed (`StepInfo.packed`); 1: every leaf is an Orbax array of its own.
 FORMAT_VERSION = 2
+MAX_PROCESSES = 2**16  # the most processes a step's jaxckpt.json may name
 
 
 def step_of(name: str) -> int | None:
@@ -141,7 +142,7 @@ class StepInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": FORMAT_VERSION,
+            "format": FORMAT_VERSION if self.packed else 1,  # readable by older jaxckpt
             "step": self.step,
             "saved_at": self.saved_at,
             "versions": dict(self.versions),
@@ -197,10 +198,18 @@ class StepInfo:
             raise ValueError("'packed' is not an object")
         for item, names in packed.items():
             leaves = {s.name for s in specs.get(item, ())}
-            if not (item in ITEMS and isinstance(names, list) and all(n in leaves for n in names)):
+            if not (
+                item in ITEMS
+                and isinstance(names, list)
+                and all(isinstance(n, str) and n in leaves for n in names)
+            ):
                 raise ValueError(f"'packed.{item}' is not a list of the item's leaf names")
-        if packed and not isinstance(doc.get("process_count"), int):
-            raise ValueError("'process_count' is missing, which packed leaves need")
+        count = doc.get("process_count")
+        if packed and not (isinstance(count, int) and 1 <= count <= MAX_PROCESSES):
+            raise ValueError(
+                f"'process_count' is not a process count (1 to {MAX_PROCESSES}), which "
+                "packed leaves need"
+            )
         return cls(
             step=step,
             state=specs[STATE],

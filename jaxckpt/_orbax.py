@@ -526,17 +526,20 @@ class OrbaxStore:
         key = (info.folder(self.directory), info.saved_at)
         out: dict[str, Any] = {}
         with _read_errors(info.step, item, self.directory):
-            try:
+            # (another error, e.g. of the storage itself, is a RestoreError: never "corrupt",
+            # which fallback=True would pass over for an older step)
+            with _corrupt_if_not_jaxckpts(info.step, self.directory):
                 if key not in self._packed:
+                    if len(self._packed) >= 4:  # the steps being read now, not every one read
+                        self._packed.clear()
                     self._packed[key] = _packed.PackedStep(
                         key[0] / _layout.PACKED, info.process_count or 1
                     )
-                budget = min(self._restore_inflight_bytes, _packed.READ_BATCH_BYTES)
-                for batch in read_batches(requests, budget):
+            budget = min(self._restore_inflight_bytes, _packed.READ_BATCH_BYTES)
+            for batch in read_batches(requests, budget):
+                with _corrupt_if_not_jaxckpts(info.step, self.directory):
                     hosts = self._packed[key].read(item, {n: requests[n] for n in batch})
-                    out.update(_place(hosts, requests))
-            except (ValueError, OSError) as e:  # files that are not what jaxckpt writes
-                raise CorruptCheckpointError(info.step, [str(e)], str(self.directory)) from None
+                out.update(_place(hosts, requests))
         return out
 
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
@@ -607,6 +610,16 @@ def _read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
             f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: "
             + _first_line(e)
         ) from e
+
+
+@contextlib.contextmanager
+def _corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
+    """A file that is not what jaxckpt writes (ValueError), or is missing, as the
+    CorruptCheckpointError it is."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -857,8 +870,8 @@ def _place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest])
     groups: dict[jax.sharding.Sharding, list[str]] = {}
     for name, host in hosts.items():
         sharding = requests[name].sharding
-        if sharding is None:
-            out[name] = host
+        if sharding is None:  # the caller's own, not a view pinning a whole read
+            out[name] = np.array(host) if host.base is not None else host
         elif jax.process_count() > 1:
             out[name] = _on(sharding, host)
         else:

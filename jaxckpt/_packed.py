@@ -176,10 +176,15 @@ def write(folder: epath.Path, pieces: HostPieces) -> None:
     holds at most one leaf beyond what the save copied off the devices."""
     data, index = file_names(jax.process_index(), jax.process_count())
     for name, chunks in ((data, pieces.chunks), (index, [pieces.index_json().encode()])):
-        if is_remote(folder):  # an object appears whole, once closed, or not at all
-            with (folder / name).open("wb") as f:
+        if is_remote(folder):  # an object appears once closed: never a part of one
+            f = (folder / name).open("wb")
+            try:
                 for chunk in chunks:
                     f.write(_bytes(chunk))
+            except BaseException:
+                getattr(f, "discard", f.close)()
+                raise
+            f.close()
             continue
         with open(folder / name, "wb", buffering=_WRITE_BUFFER) as f:
             for chunk in chunks:
@@ -215,26 +220,19 @@ class PackedStep:
         self.folder = folder
         self.processes = processes
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
+        present = {p.name for p in folder.iterdir()} if folder.exists() else set()
         for p in range(processes):
             _, rel = file_names(p, processes)
+            if rel not in present:
+                continue  # a process's index missing: its leaves are found incomplete
             try:
                 with open_inside(folder, rel) as f:
                     doc = json.loads(f.read())
-            except FileNotFoundError:
-                continue  # a process that held no small leaf's first replica wrote none
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, RecursionError) as e:
                 raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
             self._add(p, doc, f"{PACKED}/{rel}")
         if not self._leaves:
             raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
-        for item, leaves in self._leaves.items():
-            for name, (_, shape, pieces) in leaves.items():
-                covered = sum(math.prod(b - a for a, b in p.bounds) for p in pieces)
-                if covered != math.prod(shape):
-                    raise ValueError(
-                        f"{PACKED}/: the pieces of {item} leaf {name!r} hold {covered} of its "
-                        f"{math.prod(shape)} elements (a process's files are missing or damaged)"
-                    )
 
     def _add(self, process: int, doc: Any, where: str) -> None:
         if not (
@@ -266,20 +264,20 @@ class PackedStep:
             if name not in leaves:
                 raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
             dtype, shape, pieces = leaves[name]
-            if shape != tuple(request.shape):
+            if shape != tuple(request.shape) or dtype != request.dtype:
                 raise ValueError(
-                    f"{item} leaf {name!r} is stored with shape {shape}, but {INFO_PATH} "
-                    f"records shape {tuple(request.shape)}"
+                    f"{item} leaf {name!r} is stored with shape {shape} and dtype {dtype}, "
+                    f"but {INFO_PATH} records shape {tuple(request.shape)} and dtype "
+                    f"{request.dtype}"
                 )
+            _check_tiling(item, name, shape, pieces)
             regions = _regions(request, shape)
             wanted[name] = [p for p in pieces if regions is None or _overlaps(p, regions)]
         blobs = self._read_pieces([p for ps in wanted.values() for p in ps])
         hosts = {}
         for name, pieces in wanted.items():
             dtype, shape, _ = leaves[name]
-            hosts[name] = _assemble(dtype, shape, pieces, blobs).astype(
-                requests[name].dtype, copy=False
-            )
+            hosts[name] = _assemble(dtype, shape, pieces, blobs)
         return hosts
 
     def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
@@ -292,12 +290,19 @@ class PackedStep:
         for process, found in by_process.items():
             found.sort(key=lambda p: p.offset)
             runs: list[list[_Piece]] = [[found[0]]]
+            wanted = found[0].nbytes  # of the last run
             for p in found[1:]:
-                last = runs[-1][-1]
-                if p.offset - (last.offset + last.nbytes) < _MERGE_GAP:
+                run_start, last = runs[-1][0].offset, runs[-1][-1]
+                span = p.offset + p.nbytes - run_start
+                # merged only across small gaps, reading at most as much unwanted as wanted
+                if p.offset - (last.offset + last.nbytes) < _MERGE_GAP and span <= 2 * (
+                    wanted + p.nbytes
+                ):
                     runs[-1].append(p)
+                    wanted += p.nbytes
                 else:
                     runs.append([p])
+                    wanted = p.nbytes
             rel = file_names(process, self.processes)[0]
             with open_inside(self.folder, rel) as f:
                 for run in runs:
@@ -361,6 +366,25 @@ def _dtype(name: str) -> np.dtype | None:
         return np.dtype(jax.numpy.dtype(name))
     except TypeError:
         return None
+
+
+def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Piece]) -> None:
+    """The pieces of a leaf must hold each of its elements once: none missing (a process's
+    files lost), none twice (an index that is not what jaxckpt writes)."""
+    size = math.prod(shape)
+    covered = sum(math.prod(b - a for a, b in p.bounds) for p in pieces)
+    if covered == size and len(pieces) <= 1:
+        return  # one piece within bounds holding every element is the whole leaf
+    if covered == size:
+        count = np.zeros(shape, np.uint8)
+        for p in pieces:
+            count[tuple(slice(a, b) for a, b in p.bounds)] += 1
+        covered = int(np.count_nonzero(count == 1))
+    if covered != size:
+        raise ValueError(
+            f"{PACKED}/: the pieces of {item} leaf {name!r} hold {covered} of its "
+            f"{size} elements once (a process's files are missing or damaged)"
+        )
 
 
 def _is_count(x: Any) -> bool:

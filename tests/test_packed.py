@@ -210,6 +210,9 @@ def test_a_truncated_packed_file_fails_verify_and_restore(mesh, ckpt_dir):
         (lambda d: _shrink_piece(d, "rows"), "hold 45 of its 60 elements"),
         (lambda d: _shift_piece(d, "rows", 10**9), "ends past the file"),
         (lambda d: _set(d, "rows", "dtype", "no-such-type"), "is not a dtype"),
+        (lambda d: _set(d, "rows", "dtype", "int32"), "dtype int32, but .* dtype float32"),
+        (lambda d: _twice(d, "rows"), "hold 0 of its 60 elements once"),
+        (lambda d: "[" * 100_000 + "]" * 100_000, "0-of-1.json is unreadable"),
     ],
 )
 def test_a_damaged_packed_index_is_a_corrupt_checkpoint(mesh, ckpt_dir, edit, match):
@@ -231,6 +234,99 @@ def _shrink_piece(doc, name):
 def _shift_piece(doc, name, by):
     doc["leaves"]["state"][name]["pieces"][0][0] += by
     return doc
+
+
+def _twice(doc, name):  # its first half listed twice: as many elements, half of them unread
+    (piece,) = doc["leaves"]["state"][name]["pieces"]
+    piece[1][0][1] //= 2
+    doc["leaves"]["state"][name]["pieces"] = [piece, piece]
+    return doc
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda i: i["packed"].update(state=[["rows"]]), "'packed.state' is not a list"),
+        (lambda i: i["packed"].update(state=["no-such-leaf"]), "'packed.state' is not a list"),
+        (lambda i: i["packed"].update(other=[]), "'packed.other' is not a list"),
+        (lambda i: i.update(process_count=0), "'process_count' is not a process count"),
+        (lambda i: i.update(process_count=10**9), "'process_count' is not a process count"),
+    ],
+)
+def test_a_hostile_packed_entry_in_jaxckpt_json_is_a_corrupt_checkpoint(
+    mesh, ckpt_dir, change, match
+):
+    _saved(mesh, ckpt_dir)
+    path = ckpt_dir / "1/jaxckpt/jaxckpt.json"
+    info = json.loads(path.read_text())
+    change(info)
+    path.write_text(json.dumps(info))
+    m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
+    with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=match):
+        m.restore(state=_target(_small_and_big(mesh)))
+
+
+def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(mesh, ckpt_dir):
+    # Small leaves between bigger ones (a 512 KiB "w" and a 128-byte "b" per layer): reading the
+    # "b"s alone must not read the "w"s between them in merged requests.
+    from jaxckpt import _packed
+
+    state = {
+        f"layer{i:02d}": {"w": np.zeros(2**17, np.float32), "b": np.ones(16)} for i in range(8)
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+    reads = []
+    original = _packed.PackedStep._read_pieces
+
+    def counted(self, pieces):
+        got = original(self, pieces)
+        reads.append(sum(v.nbytes for v in got.values()))
+        return got
+
+    wanted = {k: {"b": v["b"]} for k, v in state.items()}
+    _packed.PackedStep._read_pieces = counted
+    try:
+        with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+            got = m.restore(state=wanted, partial=True).state
+    finally:
+        _packed.PackedStep._read_pieces = original
+    assert all(np.array_equal(got[k]["b"], np.ones(16)) for k in got)
+    assert sum(reads) == 8 * 16 * 8  # the pieces asked for
+    step = _packed.PackedStep(ckpt_dir / "1/packed", 1)
+    (b0, b1) = (step._leaves["state"][f"layer0{i}.b"][2][0] for i in (0, 1))
+    assert len(_runs_of(step, [b0, b1])) == 2  # 512 KiB apart: two reads, not one of 512 KiB
+
+
+def _runs_of(step, pieces):
+    opened = []
+    import jaxckpt._packed as packed
+
+    real = packed.open_inside
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def seek(self, n):
+            opened.append(n)
+            return self.f.seek(n)
+
+        def readinto(self, b):
+            return self.f.readinto(b)
+
+    packed.open_inside = lambda root, rel: Spy(real(root, rel))
+    try:
+        step._read_pieces(pieces)
+    finally:
+        packed.open_inside = real
+    return opened
 
 
 def _set(doc, name, key, value):
