@@ -33,7 +33,7 @@ from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED
 from jaxckpt._storage import is_remote, open_inside
-from jaxckpt._tree import ReadRequest
+from jaxckpt._tree import ReadRequest, is_count
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 1
@@ -83,9 +83,15 @@ def _whole(chunk: Any) -> np.ndarray:
     if isinstance(chunk, np.ndarray):
         return chunk
     shape, dtype, plan, shards = chunk
+    parts = ((bounds, shard) for (_, bounds), shard in zip(plan, shards, strict=True))
+    return _filled(shape, dtype, parts)
+
+
+def _filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> np.ndarray:
+    """An array of `shape` with each (bounds, values) part in its place (the rest unset)."""
     host = np.empty(shape, dtype)
-    for (_, bounds), shard in zip(plan, shards, strict=True):
-        host[tuple(slice(a, b) for a, b in bounds)] = shard
+    for bounds, values in parts:
+        host[tuple(slice(a, b) for a, b in bounds)] = values
     return host
 
 
@@ -238,7 +244,7 @@ class PackedStep:
         if not (
             isinstance(doc, dict)
             and doc.get("format") == INDEX_FORMAT
-            and _is_count(doc.get("bytes"))
+            and is_count(doc.get("bytes"))
             and isinstance(doc.get("leaves"), dict)
         ):
             raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
@@ -327,7 +333,7 @@ def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
     pieces = entry.get("pieces") if isinstance(entry, dict) else None
     if not (
         isinstance(shape, list)
-        and all(map(_is_count, shape))
+        and all(map(is_count, shape))
         and isinstance(pieces, list)
         and isinstance(entry.get("dtype"), str)
     ):
@@ -342,10 +348,10 @@ def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
             offset, bounds = piece
             bounds = tuple((a, b) for a, b in bounds)
             ok = (
-                _is_count(offset)
+                is_count(offset)
                 and len(bounds) == len(shape)
                 and all(
-                    _is_count(a) and _is_count(b) and a <= b <= n
+                    is_count(a) and is_count(b) and a <= b <= n
                     for (a, b), n in zip(bounds, shape, strict=True)
                 )
             )
@@ -387,10 +393,6 @@ def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Pi
         )
 
 
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:
     """The regions of the leaf this process's devices need (None: all of it)."""
     if request.sharding is None or request.sharding.is_fully_addressable:
@@ -415,8 +417,8 @@ def _assemble(
         b - a == n for (a, b), n in zip(pieces[0].bounds, shape, strict=True)
     ):
         return blobs[pieces[0]].view(dtype).reshape(shape)
-    host = np.empty(shape, dtype)
-    for p in pieces:
-        part = tuple(b - a for a, b in p.bounds)
-        host[tuple(slice(a, b) for a, b in p.bounds)] = blobs[p].view(dtype).reshape(part)
-    return host
+    return _filled(
+        shape,
+        dtype,
+        ((p.bounds, blobs[p].view(dtype).reshape([b - a for a, b in p.bounds])) for p in pieces),
+    )

@@ -102,7 +102,7 @@ class LeafSpec:
             for e in path
         ):
             raise ValueError(f"leaf {name!r}: path is not a list of [kind, key] pairs")
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        if not isinstance(shape, list) or not all(is_count(n) for n in shape):
             raise ValueError(f"leaf {name!r}: shape is not a list of non-negative integers")
         kind, dtype, key_impl = d.get("kind", ARRAY), d.get("dtype"), d.get("key_impl")
         if kind not in (ARRAY, KEY, PYTHON):
@@ -157,7 +157,7 @@ class LeafSpec:
 _ENTRY_KINDS = ("dict", "seq", "attr", "index")
 
 
-def _is_count(n: Any) -> bool:
+def is_count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
@@ -186,7 +186,7 @@ def _is_layout(layout: Any) -> bool:
         mesh, spec = layout.get("mesh"), layout.get("spec")
         return (
             isinstance(mesh, Mapping)
-            and all(isinstance(k, str) and _is_count(v) for k, v in mesh.items())
+            and all(isinstance(k, str) and is_count(v) for k, v in mesh.items())
             and isinstance(spec, list)
             and all(
                 e is None
@@ -195,7 +195,7 @@ def _is_layout(layout: Any) -> bool:
                 for e in spec
             )
         )
-    return _is_count(layout.get("devices"))
+    return is_count(layout.get("devices"))
 
 
 @dataclasses.dataclass(frozen=True)
