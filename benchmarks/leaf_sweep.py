@@ -14,11 +14,17 @@ would copy nothing):
   onto the same shardings with the target's `ArrayRestoreArgs`;
 * tensorstore: every leaf its own zarr3 array in one OCDBT kvstore, one shared Context,
   all arrays opened and written (from the host) concurrently under asyncio, then all read
-  back concurrently: the floor of one array per leaf.
+  back concurrently: the floor of one array per leaf;
+* JAX alone, no storage: each addressable shard copied to the host (what any save's
+  blocking part must do; the garbage collector paused, as jaxckpt's save pauses it) and
+  the host arrays placed with `jax.device_put` onto the same shardings and onto one
+  device (what any restore must do after reading): the floor that JAX's per-shard cost
+  sets, whatever the storage.
 
 Then the first save of the largest state in a fresh process, jaxckpt's and Orbax's, each
 `--repeat` times (`--first-save N` is that child). Medians, seconds. Writes
-`benchmarks/results/leaf_sweep.md` and the plot `leaf_sweep.png` beside BENCHMARKS.md.
+`benchmarks/results/leaf_sweep.md` (and its figures as `.json`, which `--replot` draws
+again) and the plot `leaf_sweep.png` beside BENCHMARKS.md.
 
     python benchmarks/leaf_sweep.py [--repeat 3] [--mib 64] [--leaves 16,64,256,1024,2048,4096]
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -151,8 +158,40 @@ def tensorstore_round(directory: Path, state: dict) -> tuple[float, float]:
     return {"save": saved - start, "restore": time.perf_counter() - saved}
 
 
-CONTENDERS = {"jaxckpt": jaxckpt_round, "orbax": orbax_round, "tensorstore": tensorstore_round}
+def jax_round(directory: Path, state: dict) -> dict:
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        hosts = [[np.asarray(s.data) for s in a.addressable_shards] for a in state.values()]
+        blocked = time.perf_counter() - start
+    finally:
+        gc.enable()
+    del hosts
+    whole = [np.asarray(a) for a in state.values()]
+    out = {"block": blocked}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for what, shardings in (
+        ("restore", [a.sharding for a in state.values()]),
+        ("onto 1 device", [one] * len(whole)),
+    ):
+        start = time.perf_counter()
+        jax.block_until_ready(jax.device_put(whole, shardings))
+        out[what] = time.perf_counter() - start
+    return out
+
+
+CONTENDERS = {
+    "jaxckpt": jaxckpt_round,
+    "orbax": orbax_round,
+    "tensorstore": tensorstore_round,
+    "JAX alone": jax_round,
+}
 FIRST = {"jaxckpt": jaxckpt_round, "orbax": orbax_round}
+BLOCKING = {
+    "jaxckpt": "jaxckpt: blocking",
+    "orbax": "orbax: blocking",
+    "JAX alone": "JAX alone: shards to host",
+}
 
 
 def first_save(leaves: int, mib: int) -> dict:
@@ -175,17 +214,20 @@ def plot(results: dict, leaves: list[int], mib: int, out: Path) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, what in zip(axes, ("save", "restore"), strict=True):
         for name in CONTENDERS:
-            ax.plot(leaves, [results[name][n][what] for n in leaves], marker="o", label=name)
+            if what in results[name][leaves[0]]:  # JAX alone saves nothing
+                label = "JAX alone: host arrays placed" if name == "JAX alone" else name
+                ax.plot(leaves, [results[name][n][what] for n in leaves], marker="o", label=label)
         if what == "save":
-            for name in ("jaxckpt", "orbax"):
+            for name, label in BLOCKING.items():
                 blocked = [results[name][n]["block"] for n in leaves]
-                ax.plot(leaves, blocked, marker=".", linestyle="--", label=f"{name}: blocking")
+                ax.plot(leaves, blocked, marker=".", linestyle="--", label=label)
         title = "save until committed" if what == "save" else "restore (same mesh)"
         ax.set(xscale="log", yscale="log", xlabel="leaves (same bytes)", title=title)
         ax.set_xticks(leaves, [str(n) for n in leaves])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("seconds (median)")
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=8)
     figure.suptitle(f"{mib} MiB of float32 in N leaves on 8 CPU devices")
     figure.tight_layout()
     figure.savefig(out, dpi=110)
@@ -199,7 +241,16 @@ def main() -> None:
     parser.add_argument("--first-save", type=int, help=argparse.SUPPRESS)  # the child
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/leaf_sweep.md")
     parser.add_argument("--png", type=Path, default=ROOT / "leaf_sweep.png")
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw the plot from the last run's JSON"
+    )
     args = parser.parse_args()
+    saved = args.out.with_suffix(".json")
+    if args.replot:
+        last = json.loads(saved.read_text())
+        results = {k: {int(n): v for n, v in r.items()} for k, r in last["results"].items()}
+        plot(results, last["leaves"], last["mib"], args.png)
+        return
     if args.first_save:
         print(json.dumps(first_save(args.first_save, args.mib)))
         return
@@ -236,6 +287,7 @@ def main() -> None:
     first = {who: statistics.median(f[who] for f in firsts) for who in FIRST}
     print("first save", first, flush=True)
     ours, orbax, ts_ = results["jaxckpt"], results["orbax"], results["tensorstore"]
+    floor = results["JAX alone"]
     base = ours[leaves[0]]
     rows = []
     for n in leaves:
@@ -256,8 +308,14 @@ def main() -> None:
                 ", ".join(f"{r:.1f}x" for r in rel),
                 f"{orbax[n]['save'] / ours[n]['save']:.1f}x, "
                 f"{orbax[n]['restore'] / ours[n]['restore']:.1f}x",
+                f"{floor[n]['block']:.3f}",
+                f"{floor[n]['restore']:.3f}",
+                f"{floor[n]['onto 1 device']:.3f}",
+                f"{floor[n]['restore'] / base['restore']:.1f}x, "
+                f"{floor[n]['onto 1 device'] / base['onto 1 device']:.1f}x",
             ]
         )
+    saved.write_text(json.dumps({"leaves": leaves, "mib": args.mib, "results": results}))
     plot(results, leaves, args.mib, args.png)
     write_page(
         args.out,
@@ -266,7 +324,10 @@ def main() -> None:
         "MiB of float32 in N leaves of shape (rows, 128), sharded on a (4, 2) mesh of 8 CPU "
         "devices; jaxckpt (save: blocking and until committed; restore with checksums onto the "
         "same shardings, a (2, 4) mesh and one device), plain Orbax and tensorstore directly "
-        "(a zarr3 array per leaf in one OCDBT store, all written at once). Medians of "
+        "(a zarr3 array per leaf in one OCDBT store, all written at once), and JAX alone with no "
+        "storage (each shard copied to the host; the host arrays placed by jax.device_put): "
+        "the floor JAX's per-shard cost sets for any save's blocking part and any restore. "
+        "Medians of "
         f"{args.repeat} alternating rounds on new arrays each, seconds. The plot: "
         f"[{args.png.name}](../../{args.png.name}). Issue 18's targets: jaxckpt at 2,048 and "
         "4,096 leaves <= 2.0x its 16-leaf time, >= 5x faster than Orbax, and blocking <= 0.25 s "
@@ -287,6 +348,10 @@ def main() -> None:
             "jaxckpt onto 1 device",
             "jaxckpt / its 16-leaf time (save, restore, onto (2, 4), onto 1 device)",
             "Orbax / jaxckpt (save, restore)",
+            "JAX alone: shards to host",
+            "JAX alone: placed",
+            "JAX alone: placed on 1 device",
+            "JAX alone placing / jaxckpt's 16-leaf restore (same mesh, 1 device)",
         ],
         rows,
     )
