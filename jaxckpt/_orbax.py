@@ -125,21 +125,29 @@ def _put_batched(hosts: list[np.ndarray], sharding: jax.sharding.Sharding) -> li
     """Host arrays of canonical dtypes onto one sharding of this process's devices: the
     per-array step of `jax.device_put(hosts, sharding)` without its per-array checks and
     abstractions, which were ~40% of placing thousands of small leaves."""
-    from jax._src import core
     from jax._src.interpreters import pxla
 
     out = []
     for host in hosts:
-        indices = _device_indices(sharding, host.shape)
-        pieces = [host[i] for i in indices.values()]
-        aval = core.ShapedArray(host.shape, host.dtype)
-        out.append(pxla.batched_device_put(aval, sharding, pieces, list(indices)))
+        devices, slices = _device_slices(sharding, host.shape)
+        aval = _aval(host.shape, host.dtype)
+        out.append(pxla.batched_device_put(aval, sharding, [host[i] for i in slices], devices))
     return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _device_indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
-    return sharding.addressable_devices_indices_map(shape)
+def _device_slices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple:
+    """This process's devices of `sharding` and the index of each one's shard of `shape`
+    (the caller must not change the list)."""
+    indices = sharding.addressable_devices_indices_map(shape)
+    return list(indices), tuple(indices.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    from jax._src import core
+
+    return core.ShapedArray(shape, dtype)
 
 
 # Recorded (jax.monitoring) in Orbax's background save once this process's arrays of a step

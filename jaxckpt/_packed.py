@@ -33,7 +33,7 @@ from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED
 from jaxckpt._storage import is_remote, open_inside
-from jaxckpt._tree import ReadRequest, is_count
+from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 1
@@ -315,28 +315,23 @@ class PackedStep:
                     start = run[0].offset
                     stop = max(p.offset + p.nbytes for p in run)
                     f.seek(start)
-                    buf = bytearray(stop - start)  # writable: a host leaf may be its view
-                    got = f.readinto(buf)
+                    # writable (a host leaf may be its view), and not zeroed first
+                    view = np.empty(stop - start, np.uint8)
+                    got = f.readinto(memoryview(view))
                     if got != stop - start:
                         raise ValueError(
                             f"{PACKED}/{rel} ends at byte {start + got}, before the "
                             f"pieces its index places up to byte {stop}"
                         )
-                    view = np.frombuffer(buf, np.uint8)
                     for p in run:
                         out[p] = view[p.offset - start : p.offset - start + p.nbytes]
         return out
 
 
 def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
-    shape = entry.get("shape") if isinstance(entry, dict) else None
-    pieces = entry.get("pieces") if isinstance(entry, dict) else None
-    if not (
-        isinstance(shape, list)
-        and all(map(is_count, shape))
-        and isinstance(pieces, list)
-        and isinstance(entry.get("dtype"), str)
-    ):
+    shape = entry.get("shape") if type(entry) is dict else None
+    pieces = entry.get("pieces") if type(entry) is dict else None
+    if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
         raise ValueError(f"{where} is not a packed leaf's entry")
     dtype = _dtype(entry["dtype"])
     if dtype is None:
@@ -344,26 +339,35 @@ def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
     shape = tuple(shape)
     out = []
     for piece in pieces:
-        try:
-            offset, bounds = piece
-            bounds = tuple((a, b) for a, b in bounds)
-            ok = (
-                is_count(offset)
-                and len(bounds) == len(shape)
-                and all(
-                    is_count(a) and is_count(b) and a <= b <= n
-                    for (a, b), n in zip(bounds, shape, strict=True)
-                )
-            )
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
+        bounds = _piece_bounds(piece, shape)
+        if bounds is None:
             raise ValueError(f"{where}: a piece is not [offset, [[start, stop], ...]] within shape")
+        offset = piece[0]
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
         if offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
         out.append(_Piece(process, offset, bounds, nbytes))
     return dtype, shape, out
+
+
+def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:
+    """A piece's bounds, if it is `[offset, [[start, stop], ...]]` within `shape`."""
+    if type(piece) is not list or len(piece) != 2:
+        return None
+    offset, bounds = piece
+    if type(offset) is not int or offset < 0 or type(bounds) is not list:
+        return None
+    if len(bounds) != len(shape):
+        return None
+    out = []
+    for pair, n in zip(bounds, shape, strict=True):
+        if type(pair) is not list or len(pair) != 2:
+            return None
+        a, b = pair
+        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
+            return None
+        out.append((a, b))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)

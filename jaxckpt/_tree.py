@@ -87,22 +87,15 @@ class LeafSpec:
     def from_json(cls, d: Any) -> LeafSpec:
         """The spec recorded in a step's jaxckpt.json; ValueError naming the first field
         that is not what jaxckpt writes (a damaged or hand-edited file)."""
-        if not isinstance(d, Mapping):
+        if not isinstance(d, dict):  # (JSON's objects: dict, never another Mapping)
             raise ValueError("a leaf entry is not an object")
         name = d.get("name")
         if not isinstance(name, str):
             raise ValueError("a leaf's name is not a string")
         path, shape = d.get("path"), d.get("shape")
-        if not isinstance(path, list) or not all(
-            isinstance(e, list)
-            and len(e) == 2
-            and e[0] in _ENTRY_KINDS
-            and isinstance(e[1], str | int)
-            and not isinstance(e[1], bool)
-            for e in path
-        ):
+        if not _is_path(path):
             raise ValueError(f"leaf {name!r}: path is not a list of [kind, key] pairs")
-        if not isinstance(shape, list) or not all(is_count(n) for n in shape):
+        if not is_counts(shape):
             raise ValueError(f"leaf {name!r}: shape is not a list of non-negative integers")
         kind, dtype, key_impl = d.get("kind", ARRAY), d.get("dtype"), d.get("key_impl")
         if kind not in (ARRAY, KEY, PYTHON):
@@ -179,22 +172,42 @@ def _is_key_impl(name: str) -> bool:
     return True
 
 
+def _is_path(path: Any) -> bool:
+    # Plain loops and exact types (bool is not an int here): thousands of leaves are
+    # checked on every restore.
+    if type(path) is not list:
+        return False
+    for e in path:
+        if type(e) is not list or len(e) != 2 or e[0] not in _ENTRY_KINDS:
+            return False
+        if type(e[1]) is not str and type(e[1]) is not int:
+            return False
+    return True
+
+
+def is_counts(values: Any) -> bool:
+    """A list of non-negative ints (a recorded shape)."""
+    return type(values) is list and all(type(n) is int and n >= 0 for n in values)
+
+
 def _is_layout(layout: Any) -> bool:
-    if not isinstance(layout, Mapping):
+    if type(layout) is not dict:
         return False
     if "mesh" in layout:
         mesh, spec = layout.get("mesh"), layout.get("spec")
-        return (
-            isinstance(mesh, Mapping)
-            and all(isinstance(k, str) and is_count(v) for k, v in mesh.items())
-            and isinstance(spec, list)
-            and all(
-                e is None
-                or isinstance(e, str)
-                or (isinstance(e, list) and all(isinstance(a, str) for a in e))
-                for e in spec
-            )
-        )
+        if type(mesh) is not dict or type(spec) is not list:
+            return False
+        for k, v in mesh.items():
+            if type(k) is not str or type(v) is not int or v < 0:
+                return False
+        for e in spec:
+            if e is not None and type(e) is not str:
+                if type(e) is not list:
+                    return False
+                for a in e:
+                    if type(a) is not str:
+                        return False
+        return True
     return is_count(layout.get("devices"))
 
 
@@ -581,10 +594,7 @@ def _compare(leaf: Any, spec: LeafSpec) -> str | None:
             f"the target leaf is a {type(leaf).__name__}; use jax.ShapeDtypeStruct, jax.Array, "
             "NumPy arrays or Python scalars as target leaves"
         )
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        dtype_name = str(dtype)
-    else:
-        dtype_name = np.dtype(dtype).name
+    dtype_name = _target_dtype_name(dtype)
     if shape != spec.shape or dtype_name != spec.dtype:
         return (
             f"{_describe(shape, dtype_name)} in the target but "
@@ -603,6 +613,14 @@ def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
     if target_leaf is None and spec.kind == PYTHON:  # no target (a tree's leaf is never None)
         return np.asarray(value).item()
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _target_dtype_name(dtype: Any) -> str:
+    """A target leaf's dtype as recorded: a key dtype's name (`key<fry>`), else NumPy's."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return str(dtype)
+    return np.dtype(dtype).name
 
 
 def leaf_name(path: tuple) -> str:
