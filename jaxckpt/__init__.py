@@ -12,6 +12,7 @@ from jaxckpt._hf_import import load_safetensors as load_safetensors
 from jaxckpt._hf_live import save_safetensors as save_safetensors
 from jaxckpt._integrity import StepReport as StepReport
 from jaxckpt._integrity import verify as verify
+from jaxckpt._local import LocalTier as LocalTier
 from jaxckpt._manager import CheckpointManager as CheckpointManager
 from jaxckpt._manager import Restored as Restored
 from jaxckpt._names import NameMap as NameMap

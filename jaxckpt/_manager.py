@@ -29,7 +29,8 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _iterators, _layout, _orbax
+from jaxckpt import _integrity, _iterators, _layout, _local, _orbax
+from jaxckpt._local import LocalTier
 from jaxckpt._lock import writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads
 from jaxckpt._policy import RetentionPolicy, SavePolicy
@@ -71,6 +72,7 @@ class Restored:
       rng: the PRNG keys saved with `rng=` (same dtype and impl), or None.
       meta: the JSON `meta=` saved with the step, or None.
       data: the data iterator passed to `restore`, now at the saved position, or None.
+      tier: where it came from: "local" (the local tier, `LocalTier`) or "persistent".
     """
 
     step: int
@@ -78,6 +80,7 @@ class Restored:
     rng: Any
     meta: Any
     data: Any
+    tier: str = "persistent"
 
 
 class CheckpointManager:
@@ -107,6 +110,9 @@ class CheckpointManager:
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
+      local: a host-local tier (`LocalTier`: each process's own RAM disk or local SSD),
+        saved to far more often than `directory` and restored from first when it holds the
+        newest step (README, "Local tier").
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
         stands in for a lock (see README, "Object storage"): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer.
@@ -129,6 +135,7 @@ class CheckpointManager:
         pack_small_leaves: bool = True,
         verify_on_restore: bool = True,
         read_only: bool = False,
+        local: LocalTier | None = None,
         writer_lease_s: float = 60.0,
     ):
         if not isinstance(policy, SavePolicy):
@@ -147,6 +154,8 @@ class CheckpointManager:
             raise ConfigError(f"writer_lease_s must be a positive number, got {writer_lease_s!r}")
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
+        if local is not None and not isinstance(local, LocalTier):
+            raise ConfigError(f"local must be a jaxckpt.LocalTier, got {local!r}")
         directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
@@ -185,6 +194,8 @@ class CheckpointManager:
         self._last_save_time = clock()
         self._last_saved_step: int | None = None
         self._in_flight: int | None = None
+        self._due: tuple[int, bool, bool] | None = None  # should_save's (step, local, persistent)
+        self._local = _local.LocalStore(local, read_only=read_only) if local else None
         self._closed = False
 
     @property
@@ -198,9 +209,16 @@ class CheckpointManager:
         return self._store.committed_steps()
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
+        """The newest committed step, or None when there is none; with a local tier, the
+        newest of either tier (a local step counts once every process's part of it exists:
+        all processes agree on it, so every process calls this)."""
         steps = self.all_steps()
-        return steps[-1] if steps else None
+        newest = steps[-1] if steps else None
+        if self._local is not None:
+            local = _local.common_steps(self._local.steps())
+            if local and (newest is None or local[-1] > newest):
+                return local[-1]
+        return newest
 
     @property
     def preempted(self) -> bool:
@@ -216,6 +234,7 @@ class CheckpointManager:
         step = _check_step(step)
         if self._preemption.reached(step):
             log.warning("preemption: step %d is the step to save before exiting", step)
+            self._due = (step, False, True)  # to the persistent tier: the VM's disks go too
             return step != self._last_saved_step
         if step == self._last_saved_step:
             return False
@@ -225,7 +244,9 @@ class CheckpointManager:
         if self._policy.every_seconds is not None and jax.process_count() > 1:
             # Clocks differ between hosts: process 0 decides, so all save the same step.
             due = bool(multihost_utils.broadcast_one_to_all(np.bool_(due)))
-        return due
+        local = self._local is not None and self._local.tier.due(step)
+        self._due = (step, local, due)
+        return due or local
 
     # ---------------------------------------------------------------------------- save
 
@@ -255,8 +276,71 @@ class CheckpointManager:
             state_arrays, state_specs = flatten(state, item="state")
             rng_arrays, rng_specs = flatten(rng, item="rng")
         data_text, data_kind, data_about = _data_state(data)
+        local, persistent = self._tiers_due(step)
+        if persistent:
+            self._finish_pending()  # a local save alone never waits for a persistent one
+            self._check_new(step)
+        with _gc_paused():
+            info = _layout.StepInfo(
+                step=step,
+                state=tuple(state_specs),
+                rng=tuple(rng_specs),
+                data=data_kind,
+                meta=meta,
+                rng_node_types=tuple(node_types(rng)),
+                saved_at=datetime.datetime.now(datetime.UTC).isoformat(),
+                process_count=jax.process_count(),
+                versions={"jax": jax.__version__},
+            )
+            if local:
+                arrays = {_layout.STATE: state_arrays, _layout.RNG: rng_arrays}
+                with self._local_errors():
+                    self._local.save(info, arrays, data_text, data_about)
+            if persistent:
+                try:
+                    self._store.save(
+                        step,
+                        state=state_arrays,
+                        rng=rng_arrays,
+                        data=data_text,
+                        info=info,
+                        data_about=data_about,
+                    )
+                except LockedError:  # nothing started
+                    raise
+                except Exception as e:
+                    raise self._save_error(step, e, background=False) from e
+        if persistent:
+            self._in_flight = step
+            self._last_save_time = self._clock()
+        self._last_saved_step = step
 
-        self._finish_pending()
+    def _tiers_due(self, step: int) -> tuple[bool, bool]:
+        """Which tiers `save(step)` writes: (local, persistent). As `should_save` decided for
+        this step; a save it did not ask for goes to the persistent tier (and to the local
+        one too on its steps); a preemption's only to the persistent tier."""
+        if self._local is None:
+            return False, True
+        if self._due is not None and self._due[0] == step:
+            _, local, persistent = self._due
+        else:
+            local = self._local.tier.due(step)
+            every = self._policy.every_steps
+            persistent = not local or (every is not None and step % every == 0)
+        if self._preemption.preempted:
+            return False, True
+        return local, persistent or not local
+
+    @contextlib.contextmanager
+    def _local_errors(self) -> Iterator[None]:
+        """A local save's failure (raised by the next save, wait or close) as a SaveError."""
+        try:
+            yield
+        except _local.WriteFailed as e:
+            raise SaveError(e.step, e.cause, self._local.steps()) from e.cause
+
+    def _check_new(self, step: int) -> None:
+        """StepExistsError unless the persistent tier has nothing at `step`."""
         # One stat on the blocking path; the directory is listed only to word the refusal.
         if self._store.step_folder_exists(step):
             if self._store.is_orbax(step):
@@ -275,42 +359,17 @@ class CheckpointManager:
                 "written by jaxckpt, which never touches folders it did not write. Move it "
                 "away or save under another step."
             )
-        with _gc_paused():
-            info = _layout.StepInfo(
-                step=step,
-                state=tuple(state_specs),
-                rng=tuple(rng_specs),
-                data=data_kind,
-                meta=meta,
-                rng_node_types=tuple(node_types(rng)),
-                saved_at=datetime.datetime.now(datetime.UTC).isoformat(),
-                process_count=jax.process_count(),
-                versions={"jax": jax.__version__},
-            )
-            try:
-                self._store.save(
-                    step,
-                    state=state_arrays,
-                    rng=rng_arrays,
-                    data=data_text,
-                    info=info,
-                    data_about=data_about,
-                )
-            except LockedError:  # nothing started
-                raise
-            except Exception as e:
-                raise self._save_error(step, e, background=False) from e
-        self._in_flight = step
-        self._last_saved_step = step
-        self._last_save_time = self._clock()
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises `SaveError` if it failed."""
         self._check_open()
         self._finish_pending()
+        if self._local is not None:
+            with self._local_errors():
+                self._local.wait()
 
     def close(self) -> None:
-        """Waits for the save in flight, applies retention and releases resources."""
+        """Waits for the saves in flight, applies retention and releases resources."""
         if self._closed:
             return
         try:
@@ -318,9 +377,14 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._preemption.close()
-            self._store.close()
-            if self._lock is not None:
-                self._lock.release()
+            try:
+                if self._local is not None:
+                    with self._local_errors():
+                        self._local.close()
+            finally:
+                self._store.close()
+                if self._lock is not None:
+                    self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -386,6 +450,15 @@ class CheckpointManager:
         """
         self._check_open()
         wanted = _Wanted(state, rng, data, data_mismatch_ok, partial, item)
+        restored = self._restore_local(step, wanted) if self._local and item is None else None
+        if restored is None:
+            restored = self._restore_persistent(step, wanted, fallback)
+        if self._local is not None and not self._read_only:
+            # The run goes on from here: newer local steps are of a timeline that does not.
+            self._local.prune_after(restored.step)
+        return restored
+
+    def _restore_persistent(self, step, wanted: _Wanted, fallback: bool) -> Restored:
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
                 return self._restore_newest(step, wanted, fallback)
@@ -398,6 +471,71 @@ class CheckpointManager:
             "was read: another job's retention keeps deleting steps. Restore a step that "
             "job keeps (step=...), or stop it first."
         )
+
+    def _restore_local(self, step: int | None, wanted: _Wanted) -> Restored | None:
+        """The step from the local tier when every process can restore it from its own
+        part (agreed: a collective), else None, with the reason logged. Without `step`: the
+        newest local step every process holds, unless the persistent tier has a newer one."""
+        local = self._local
+        with self._local_errors():
+            local.wait()  # this process's own local save in flight
+        steps = _local.common_steps(local.steps())
+        persistent = self._store.committed_steps()
+        if step is not None:
+            steps = [s for s in steps if s == _check_step(step)]
+        elif persistent and steps and steps[-1] < persistent[-1]:
+            log.info(
+                "restore: the persistent step %d is newer than the newest local step %d",
+                persistent[-1],
+                steps[-1],
+            )
+        for candidate in reversed(steps):
+            if step is None and persistent and candidate < persistent[-1]:
+                break
+            problem = self._local_problem(candidate, wanted)
+            refused = _local.refusing(problem)
+            if not refused:
+                with _gc_paused():
+                    return self._restore_local_step(candidate, wanted)
+            log.warning(
+                "restore: local step %d in %s is passed over: %s",
+                candidate,
+                local.directory,
+                problem or f"process(es) {refused} cannot restore it (their logs say why)",
+            )
+        return None
+
+    def _local_problem(self, step: int, wanted: _Wanted) -> str | None:
+        """Why this process cannot restore `step` from its local part (None: it can)."""
+        local = self._local
+        if problem := local.problem(step):  # its part, this topology, its manifest
+            return problem
+        try:
+            info = local.info(step)
+            for item, target, home, partial in self._items(info, wanted):
+                requests, _ = self._plan_item(info, item, target, home, partial)
+                if problem := local.holds(info, item, requests):
+                    return problem
+            if wanted.data is not None:
+                return self._data_problem(
+                    step, info, wanted.data, wanted.mismatch_ok, local.directory
+                )
+        except Exception as e:  # the same target fails the persistent tier too: raised there
+            return f"{type(e).__name__}: {_orbax._first_line(e)}"
+        return None
+
+    def _restore_local_step(self, step: int, wanted: _Wanted) -> Restored:
+        local = self._local
+        info = local.info(step)
+
+        def read(info, item, requests):
+            return local.read_arrays(info, item, requests, self._restore_inflight_bytes)
+
+        restored = self._restore_step(info, wanted, read)
+        if wanted.data is not None:  # last: after everything else was read
+            _restore_data(wanted.data, info, local.directory)
+        log.info("restored step %d from the local tier (%s)", step, local.directory)
+        return dataclasses.replace(restored, data=wanted.data, tier="local")
 
     def _restore_newest(self, step, wanted: _Wanted, fallback: bool) -> Restored:
         skipped = []
@@ -490,8 +628,16 @@ class CheckpointManager:
             raise DataStateError(problem)
 
     def _data_problem(
-        self, step: int, info: _layout.StepInfo, data: Any, mismatch_ok: bool
+        self,
+        step: int,
+        info: _layout.StepInfo,
+        data: Any,
+        mismatch_ok: bool,
+        directory: epath.Path | None = None,
     ) -> str | None:
+        """Why `data` cannot take the state saved at `step` (None: it can); `directory`:
+        where the step is (the persistent one by default)."""
+        directory = directory or self.directory
         if not callable(getattr(data, "set_state", None)):
             return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
         if info.data is None:
@@ -502,12 +648,12 @@ class CheckpointManager:
         here = (jax.process_index(), jax.process_count())
         if info.orbax is not None:  # grain's handler records no description: its state is there?
             try:
-                _layout.read_data_state(self.directory, info, *here)
+                _layout.read_data_state(directory, info, *here)
             except DataStateError as e:
                 return str(e)
             return None
         # None: a step saved before jaxckpt recorded it
-        saved = _layout.read_data_about(self.directory, step, *here)
+        saved = _layout.read_data_about(directory, step, *here)
         changed = _iterators.differences(saved, _iterators.describe(data)) if saved else []
         if not changed:
             return None
@@ -554,8 +700,20 @@ class CheckpointManager:
                 step, [f"{_layout.INFO_PATH} is missing"], str(self.directory)
             ) from None
 
-    def _restore_step(self, info: _layout.StepInfo, wanted: _Wanted) -> Restored:
-        step, state, rng, partial = info.step, wanted.state, wanted.rng, wanted.partial
+    @staticmethod
+    def _items(info: _layout.StepInfo, wanted: _Wanted) -> list[tuple]:
+        """The items a restore reads: (item, target, home sharding, partial) each."""
+        items = [(_layout.STATE, wanted.state, None, wanted.partial)]
+        if info.rng:
+            items.append((_layout.RNG, wanted.rng, replicated_sharding(wanted.state), False))
+        return items
+
+    def _restore_step(
+        self, info: _layout.StepInfo, wanted: _Wanted, read: Callable | None = None
+    ) -> Restored:
+        """`read(info, item, requests)` reads the arrays (the persistent tier's, by default)."""
+        read = read or self._store.read_arrays
+        step, rng = info.step, wanted.rng
         kinds = info.rng_node_types
         if rng is None and info.rng and kinds:  # before any array is read
             raise TreeMismatchError(
@@ -566,14 +724,13 @@ class CheckpointManager:
                 "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
                 "streams, then nnx.update(rngs, restored.rng))."
             )
-        restored_state = self._read_tree(info, _layout.STATE, state, None, partial)
-        restored_rng = None
-        if info.rng:
-            restored_rng = self._read_tree(
-                info, _layout.RNG, rng, replicated_sharding(state), False
-            )
-        elif rng is not None:
+        if not info.rng and rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
+        trees = {}
+        for item, target, home, partial in self._items(info, wanted):
+            requests, rebuild = self._plan_item(info, item, target, home, partial)
+            trees[item] = rebuild(read(info, item, requests))
+        restored_state, restored_rng = trees[_layout.STATE], trees.get(_layout.RNG)
         return Restored(
             step=step, state=restored_state, rng=restored_rng, meta=info.meta, data=None
         )
@@ -603,15 +760,15 @@ class CheckpointManager:
         requests, _ = plan_restore(state, specs, item=_layout.STATE, step=step, partial=partial)
         return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
 
-    def _read_tree(self, info, item, target, default_sharding, partial) -> Any:
+    @staticmethod
+    def _plan_item(info, item, target, default_sharding, partial) -> tuple[dict, Callable]:
+        """What to read of an item, and how to rebuild its tree from what was read."""
         specs = info.leaves(item)
         if target is None:
-            arrays = self._store.read_arrays(info, item, uniform_requests(specs, default_sharding))
-            return nest(specs, arrays)
-        requests, rebuild = plan_restore(
+            return uniform_requests(specs, default_sharding), lambda arrays: nest(specs, arrays)
+        return plan_restore(
             target, specs, item=item, step=info.step, partial=partial, home=default_sharding
         )
-        return rebuild(self._store.read_arrays(info, item, requests))
 
     # ---------------------------------------------------------------------------- internals
 

@@ -113,7 +113,7 @@ def _key_impls(item_dir: epath.Path) -> dict[str, str]:
     }
 
 
-def _device_buffers(array: jax.Array) -> list[jax.Array]:
+def device_buffers(array: jax.Array) -> list[jax.Array]:
     """An array's addressable single-device arrays, in the order of `addressable_shards`,
     in one call: `addressable_shards` builds a Shard (its index, its replica id) for each,
     and `addressable_data(i)` all of them for each i; at thousands of small leaves either
@@ -234,11 +234,11 @@ class _PackedHandler(ocp.AsyncCheckpointHandler):
     async def async_save(
         self, directory: epath.Path, args: PackedSave
     ) -> list[concurrent.futures.Future]:
-        pieces = _packed.to_host(args.items, _device_buffers)
+        pieces = _packed.to_host(args.items, device_buffers)
         return [self._writer.submit(_packed.write, directory, pieces)]
 
     def save(self, directory: epath.Path, args: PackedSave) -> None:
-        _packed.write(directory, _packed.to_host(args.items, _device_buffers))
+        _packed.write(directory, _packed.to_host(args.items, device_buffers))
 
     def restore(self, directory: epath.Path, args: PackedRestore | None = None) -> None:
         raise NotImplementedError("read through jaxckpt._packed.PackedStep")
@@ -530,25 +530,21 @@ class OrbaxStore:
     def _read_packed(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
-        """The packed leaves `requests` names, in batches (`_packed.READ_BATCH_BYTES`)."""
+        """The packed leaves `requests` names, each process's index read once a step."""
         key = (info.folder(self.directory), info.saved_at)
-        out: dict[str, Any] = {}
-        with _read_errors(info.step, item, self.directory):
-            # (another error, e.g. of the storage itself, is a RestoreError: never "corrupt",
-            # which fallback=True would pass over for an older step)
-            with _corrupt_if_not_jaxckpts(info.step, self.directory):
-                if key not in self._packed:
-                    if len(self._packed) >= 4:  # the steps being read now, not every one read
-                        self._packed.clear()
-                    self._packed[key] = _packed.PackedStep(
-                        key[0] / _layout.PACKED, info.process_count or 1
-                    )
-            budget = min(self._restore_inflight_bytes, _packed.READ_BATCH_BYTES)
-            for batch in read_batches(requests, budget):
-                with _corrupt_if_not_jaxckpts(info.step, self.directory):
-                    hosts = self._packed[key].read(item, {n: requests[n] for n in batch})
-                out.update(_place(hosts, requests))
-        return out
+        with (
+            _read_errors(info.step, item, self.directory),
+            _corrupt_if_not_jaxckpts(info.step, self.directory),
+        ):
+            if key not in self._packed:
+                if len(self._packed) >= 4:  # the steps being read now, not every one read
+                    self._packed.clear()
+                self._packed[key] = _packed.PackedStep(
+                    key[0] / _layout.PACKED, info.process_count or 1
+                )
+        return read_packed(
+            self._packed[key], info, item, requests, self._restore_inflight_bytes, self.directory
+        )
 
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
         args = ocp.args.PyTreeRestore(
@@ -867,6 +863,28 @@ def _read_orbax_batch(
                 value = _on(batch[name].sharding, value)
         if name in batch:
             out[name] = value
+    return out
+
+
+def read_packed(
+    packed: _packed.PackedStep,
+    info: _layout.StepInfo,
+    item: str,
+    requests: Mapping[str, ReadRequest],
+    budget: int,
+    directory: epath.Path,
+) -> dict[str, Any]:
+    """Packed leaves read and placed in batches (of at most `_packed.READ_BATCH_BYTES`, or
+    `budget`): a file that is not what jaxckpt writes is a CorruptCheckpointError, another
+    failure (of the storage itself) a RestoreError, never "corrupt", which fallback=True
+    would pass over for an older step. Zero-size leaves are made, never read."""
+    out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
+    requests = {name: r for name, r in requests.items() if name not in out}
+    with _read_errors(info.step, item, directory):
+        for batch in read_batches(requests, min(budget, _packed.READ_BATCH_BYTES)):
+            with _corrupt_if_not_jaxckpts(info.step, directory):
+                hosts = packed.read(item, {n: requests[n] for n in batch})
+            out.update(_place(hosts, requests))
     return out
 
 

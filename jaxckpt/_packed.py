@@ -98,18 +98,21 @@ def _filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> 
 _PIECE_PLANS: dict[tuple, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
 
 
-def _piece_plan(value: jax.Array) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
-    """Which of the array's addressable shards this process writes (replica 0 of each
-    distinct one), by position, with the bounds of each: cached per sharding and shape, as
-    training states repeat a few of them over thousands of leaves."""
-    key = (value.sharding, value.shape)
+def _piece_plan(value: jax.Array, local: bool) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """Which of the array's addressable shards this process writes, by position, with the
+    bounds of each: replica 0 of each distinct one (each written once in the job), or with
+    `local` the first this process holds of each (its part alone holds all it needs).
+    Cached per sharding and shape, as training states repeat a few of them over thousands
+    of leaves."""
+    key = (value.sharding, value.shape, local)
     plan = _PIECE_PLANS.get(key)
     if plan is None:
-        plan = [
-            (i, _bounds(shard.index, value.shape))
-            for i, shard in enumerate(value.addressable_shards)
-            if shard.replica_id == 0
-        ]
+        plan, seen = [], set()
+        for i, shard in enumerate(value.addressable_shards):
+            bounds = _bounds(shard.index, value.shape)
+            if (shard.replica_id == 0 and not local) or (local and bounds not in seen):
+                plan.append((i, bounds))
+                seen.add(bounds)
         if len(_PIECE_PLANS) > 1024:
             _PIECE_PLANS.clear()
         _PIECE_PLANS[key] = plan
@@ -123,7 +126,10 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
 
 
 def to_host(
-    items: Mapping[str, Mapping[str, Any]], buffers: Callable[[jax.Array], Sequence[Any]]
+    items: Mapping[str, Mapping[str, Any]],
+    buffers: Callable[[jax.Array], Sequence[Any]],
+    *,
+    local: bool = False,
 ) -> HostPieces:
     """Copies this process's pieces of the small leaves (`{item: {name: value}}`) to the
     host: the part of a save that blocks the training step, so only each shard's copy
@@ -131,7 +137,8 @@ def to_host(
     `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
     donates). A jax.Array this process holds whole is one piece (assembled in the
     background); of one spread over processes, each distinct shard it holds the first
-    replica of; a NumPy leaf (the same on every process) is written by process 0."""
+    replica of; a NumPy leaf (the same on every process) is written by process 0. With
+    `local` (the local tier), every distinct shard this process holds, and every NumPy leaf."""
     if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
         for arrays in items.values():  # devices' memory is the host's: nothing to start)
             for value in arrays.values():
@@ -140,12 +147,12 @@ def to_host(
     leaves: list[tuple] = []
     chunks: list[Any] = []
     offset = 0
-    first = jax.process_index() == 0
+    first = local or jax.process_index() == 0
     for item, arrays in items.items():
         for name, value in arrays.items():
             shape, dtype = value.shape, np.dtype(value.dtype)
             if isinstance(value, jax.Array):
-                plan = _piece_plan(value)
+                plan = _piece_plan(value, local)
                 if not plan:
                     continue
                 buffers_of = buffers(value)
@@ -222,22 +229,28 @@ class PackedStep:
     ValueError (naming the file and what is wrong in it) for an index that is not what
     jaxckpt writes, or that does not cover each leaf it lists."""
 
-    def __init__(self, folder: epath.Path, processes: int):
+    def __init__(self, folder: epath.Path, processes: int, parts: Sequence[int] | None = None):
+        """`parts`: the processes whose files are there (None: every process's). A folder of
+        some processes' parts (the local tier's) serves only what those parts hold: each
+        region a reader's devices need within one of their pieces (`holds`)."""
         self.folder = folder
         self.processes = processes
+        self._partial = parts is not None
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
         present = {p.name for p in folder.iterdir()} if folder.exists() else set()
-        for p in range(processes):
+        indexed = False
+        for p in range(processes) if parts is None else parts:
             _, rel = file_names(p, processes)
             if rel not in present:
                 continue  # a process's index missing: its leaves are found incomplete
+            indexed = True
             try:
                 with open_inside(folder, rel) as f:
                     doc = json.loads(f.read())
             except (OSError, ValueError, RecursionError) as e:
                 raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
             self._add(p, doc, f"{PACKED}/{rel}")
-        if not self._leaves:
+        if not indexed:
             raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
 
     def _add(self, process: int, doc: Any, where: str) -> None:
@@ -264,6 +277,24 @@ class PackedStep:
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
         devices need part of it, with that part filled (the rest is never to be read)."""
+        wanted = self._wanted(item, requests)
+        blobs = self._read_pieces([p for ps in wanted.values() for p in ps])
+        hosts = {}
+        for name, pieces in wanted.items():
+            dtype, shape, _ = self._leaves[item][name]
+            hosts[name] = _assemble(dtype, shape, pieces, blobs)
+        return hosts
+
+    def holds(self, item: str, requests: Mapping[str, ReadRequest]) -> str | None:
+        """Why these files cannot serve `requests` (None: they can), reading no leaf."""
+        try:
+            self._wanted(item, requests)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _wanted(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, list[_Piece]]:
+        """The pieces to read for each requested leaf; ValueError if they cannot fill it."""
         leaves = self._leaves.get(item, {})
         wanted: dict[str, list[_Piece]] = {}
         for name, request in requests.items():
@@ -276,15 +307,13 @@ class PackedStep:
                     f"but {INFO_PATH} records shape {tuple(request.shape)} and dtype "
                     f"{request.dtype}"
                 )
-            _check_tiling(item, name, shape, pieces)
             regions = _regions(request, shape)
+            if self._partial and regions is not None:
+                _check_held(item, name, pieces, regions)
+            else:
+                _check_tiling(item, name, shape, pieces)
             wanted[name] = [p for p in pieces if regions is None or _overlaps(p, regions)]
-        blobs = self._read_pieces([p for ps in wanted.values() for p in ps])
-        hosts = {}
-        for name, pieces in wanted.items():
-            dtype, shape, _ = leaves[name]
-            hosts[name] = _assemble(dtype, shape, pieces, blobs)
-        return hosts
+        return wanted
 
     def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
         """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
@@ -395,6 +424,20 @@ def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Pi
             f"{PACKED}/: the pieces of {item} leaf {name!r} hold {covered} of its "
             f"{size} elements once (a process's files are missing or damaged)"
         )
+
+
+def _check_held(item: str, name: str, pieces: list[_Piece], regions: list) -> None:
+    """Each region this process's devices need must lie within one piece of the parts
+    there (a part holds its process's shards whole: on the same mesh each region is one)."""
+    for region in regions:
+        if not any(
+            all(a <= c and d <= b for (a, b), (c, d) in zip(p.bounds, region, strict=True))
+            for p in pieces
+        ):
+            raise ValueError(
+                f"{item} leaf {name!r}: the region {[list(r) for r in region]} this process "
+                "needs is not within one piece that it holds"
+            )
 
 
 def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:

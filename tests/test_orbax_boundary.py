@@ -66,10 +66,10 @@ def test_an_arrays_device_buffers_come_in_the_order_of_its_shards(mesh):
     from jax.sharding import PartitionSpec as P
 
     x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
-    buffers = _orbax._device_buffers(x)
+    buffers = _orbax.device_buffers(x)
     assert [b.devices() for b in buffers] == [{s.device} for s in x.addressable_shards], (
         "jax.Array._arrays no longer lists the single-device arrays in the order of "
-        "addressable_shards: update _orbax._device_buffers"
+        "addressable_shards: update _orbax.device_buffers"
     )
     for b, s in zip(buffers, x.addressable_shards, strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(s.data))

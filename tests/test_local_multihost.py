@@ -1,0 +1,117 @@
+"""The host-local tier across real processes (127.0.0.1, gloo): every process its own local
+directory, a shared persistent one; each case kills the job, damages what a preemption or a
+replaced host would, restarts it, and compares the continuation bitwise with a run that was
+never interrupted (states and data positions, per process)."""
+
+import shutil
+import signal
+
+import pytest
+from children import local_tier as job
+from multihost import run_job
+
+
+def _run(tmp_path, processes, devices, *, local=None, check=True, **args):
+    args = {
+        "persistent": str(tmp_path / "persistent"),
+        "local": local or str(tmp_path / "local-{process}"),
+        "start": 0,
+        "stop": 20,
+        "data": True,
+        **args,
+    }
+    return run_job(
+        job.train, processes=processes, devices=devices, args=args, timeout=240, check=check
+    )
+
+
+def _killed(results):
+    """Every process killed; or aborted by JAX once it saw another one gone (SIGABRT)."""
+    dead = (-signal.SIGKILL, -signal.SIGABRT)
+    assert all(r.returncode in dead for r in results), [
+        (r.returncode, r.stderr[-2000:]) for r in results
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Per process count: each process's report of the run from step 0 to 20 unbroken."""
+    found = {}
+
+    def of(processes, devices):
+        if (processes, devices) not in found:
+            where = tmp_path_factory.mktemp(f"unbroken-{processes}")
+            found[processes, devices] = [r.report() for r in _run(where, processes, devices)]
+        return found[processes, devices]
+
+    return of
+
+
+def _same_continuation(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert (g["step"], g["position"], g["digest"]) == (w["step"], w["position"], w["digest"])
+
+
+@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
+def test_a_job_killed_after_a_local_step_resumes_from_it(
+    tmp_path, uninterrupted, processes, devices
+):
+    _killed(_run(tmp_path, processes, devices, kill_after=14, check=False))
+    resumed = [r.report() for r in _run(tmp_path, processes, devices, start="latest")]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
+    _same_continuation(resumed, uninterrupted(processes, devices))
+
+
+def test_local_directories_lost_or_moved(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+    (tmp_path / "local-0").rename(tmp_path / "moved")  # process 0's: at a new path
+    moved = [str(tmp_path / "moved"), str(tmp_path / "local-1")]
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, local=moved, start="latest", stop=14)]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
+
+    _killed(_run(tmp_path, 2, 4, local=moved, start="latest", kill_after=16, check=False))
+    shutil.rmtree(tmp_path / "local-1")  # process 1's host replaced: its directory is empty
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, local=moved, start="latest")]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(10, "persistent")}
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_every_local_directory_lost_restores_the_persistent_step(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+    for p in (0, 1):
+        shutil.rmtree(tmp_path / f"local-{p}")
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, start="latest")]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(10, "persistent")}
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_a_process_killed_mid_local_save_leaves_the_newest_complete_step(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_in_local_write=16, check=False))
+    assert (tmp_path / "local-0" / "16").is_dir()  # process 0 wrote its part of 16
+    assert not (tmp_path / "local-1" / "16").exists()  # process 1 died before its rename
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, start="latest")]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_a_corrupted_local_file_on_one_process_passes_its_step_over(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+    data = tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x01
+    data.write_bytes(bytes(raw))
+    results = _run(tmp_path, 2, 4, start="latest")
+    resumed = [r.report() for r in results]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(12, "local")}
+    assert "local step 14" in results[1].stderr and "checksum mismatch" in results[1].stderr
+    assert "process(es) [1]" in results[0].stderr  # process 0 says who refused
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_a_restart_on_another_process_count_restores_the_persistent_step(tmp_path):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+    (report,) = [
+        r.report()
+        for r in _run(tmp_path, 1, 8, local=str(tmp_path / "local-0"), start="latest", data=False)
+    ]
+    assert (report["restored"], report["tier"]) == (10, "persistent")
