@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _layout, _orbax, _packed
+from jaxckpt import _integrity, _layout, _orbax, _packed, _peers
 from jaxckpt._storage import absolute, is_remote, open_inside
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ConfigError
@@ -45,6 +45,7 @@ log = logging.getLogger("jaxckpt")
 PART_PATH = f"{_layout.META_DIR}/part.json"
 TMP_SUFFIX = ".jaxckpt-tmp"
 _AGREED_STEPS = 32  # the newest local steps each process reports when they agree
+_HELD = 128  # the most (step, owner) pairs of parts and copies a process reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +57,28 @@ class LocalTier:
         process passes its own. Created if missing.
       every_steps: save to it at every step divisible by this number.
       keep_last: the newest local steps kept (older ones are deleted after each local save).
+      replicas: how many other processes keep a copy of this process's part (the next
+        ones in the ring of processes: on a pod, other hosts), sent to them over TCP in the
+        background once the part is written; a process whose directory is lost gets its
+        part back from one of them at restore. 0 keeps no copies.
+      address: the address peers reach this process at for those copies (None: this
+        host's address towards JAX's coordinator, `jax.distributed`'s).
     """
 
     directory: str | os.PathLike
     every_steps: int
     keep_last: int = 2
+    replicas: int = 1
+    address: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("every_steps", "keep_last"):
+        for name, least in (("every_steps", 1), ("keep_last", 1), ("replicas", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"LocalTier.{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                kind = "a positive int" if least else "a non-negative int"
+                raise ConfigError(f"LocalTier.{name} must be {kind}, got {value!r}")
+        if self.address is not None and not isinstance(self.address, str):
+            raise ConfigError(f"LocalTier.address must be a host name or IP, got {self.address!r}")
         if is_remote(self.directory):
             raise ConfigError(
                 f"LocalTier.directory must be a host-local path (a RAM disk or local SSD), "
@@ -130,11 +142,20 @@ class LocalStore:
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
-            # a save killed mid-write, a deletion that never finished
+            # a save killed mid-write, a deletion that never finished, a copy half received
             leftovers = [p for p in self.directory.iterdir() if p.name.endswith(TMP_SUFFIX)]
             leftovers += self.directory.glob(f"*{_layout.DELETING_SUFFIX}")
+            leftovers += self.directory.glob(f"{_peers.REPLICAS}/*/*{_peers.TMP_SUFFIX}")
             for p in leftovers:
                 self._writer.submit(shutil.rmtree, p, True)
+        self._peers = None
+        if tier.replicas and jax.process_count() > 1:  # a collective: every process makes it
+            self._peers = _peers.Peers(
+                tier.address or _orbax.coordinator_route(),
+                serve=self._servable,
+                receive=self.replica_dir,
+                accept=self._accept_copy,
+            )
 
     # ------------------------------------------------------------------------- saving
 
@@ -214,6 +235,12 @@ class LocalStore:
         _fsync_dir(self.directory)
         for old in self.steps()[: -self.tier.keep_last]:
             self._delete(old)
+        if self._peers is not None:
+            for peer in _peers.holders(part.process, part.processes, self.tier.replicas):
+                try:
+                    self._peers.put(peer, part.process, step, self.step_dir(step))
+                except (_peers.PeerError, OSError) as e:  # the step still stands without it
+                    log.warning("local tier: no copy of step %d at process %d: %s", step, peer, e)
 
     def _delete(self, step: int) -> None:
         doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
@@ -239,6 +266,77 @@ class LocalStore:
             self.wait()
         finally:
             self._writer.shutdown(wait=True)
+            if self._peers is not None:
+                self._peers.close()
+
+    # ------------------------------------------------------------------------- copies
+
+    def replica_dir(self, owner: int, step: int) -> Path:
+        """Where this process keeps its copy of `owner`'s part of `step`."""
+        return self.directory / _peers.REPLICAS / str(owner) / str(step)
+
+    def copies(self) -> dict[int, list[int]]:
+        """The copies this process keeps: {owner: [step, ...]}, oldest first."""
+        found: dict[int, list[int]] = {}
+        root = self.directory / _peers.REPLICAS
+        if not root.is_dir() or root.is_symlink():
+            return found
+        for owner_dir in root.iterdir():
+            owner = _layout.step_of(owner_dir.name)
+            if owner is None or owner_dir.is_symlink() or not owner_dir.is_dir():
+                continue
+            steps = [_layout.step_of(p.name) for p in owner_dir.iterdir() if not p.is_symlink()]
+            found[owner] = sorted(s for s in steps if s is not None)
+        return found
+
+    def _servable(self, owner: int, step: int) -> Path | None:
+        """A part this process may send: its own, or a copy it keeps."""
+        own = jax.process_index() == owner and self.step_dir(step).is_dir()
+        folder = self.step_dir(step) if own else self.replica_dir(owner, step)
+        return folder if folder.is_dir() and not folder.is_symlink() else None
+
+    def _accept_copy(self, owner: int, step: int, tmp: Path) -> None:
+        """A copy received (in the listener's thread): checked, then renamed into place;
+        the owner's copies of newer steps (another timeline) and beyond keep_last go."""
+        report = _integrity.verify_step(tmp, step)
+        if report.problems:
+            raise _peers.PeerError(f"the copy does not match its manifest: {report.problems}")
+        with open_inside(tmp, PART_PATH) as f:
+            part = Part.from_json(json.loads(f.read()))
+        if part.process != owner:
+            raise _peers.PeerError(f"the copy is process {part.process}'s, not {owner}'s")
+        final = self.replica_dir(owner, step)
+        for old in self.copies().get(owner, []):
+            if old >= step:
+                shutil.rmtree(self.replica_dir(owner, old), ignore_errors=True)
+        tmp.rename(final)
+        _fsync_dir(final.parent)
+        for old in self.copies().get(owner, [])[: -self.tier.keep_last]:
+            shutil.rmtree(self.replica_dir(owner, old), ignore_errors=True)
+
+    def fetch(self, step: int, peer: int) -> str | None:
+        """This process's own part of `step`, fetched from the copy `peer` keeps, in place
+        of a missing or damaged one; why not, if it could not be (None: done)."""
+        if self._peers is None:
+            return "no copies are kept (LocalTier.replicas=0, or one process)"
+        me = jax.process_index()
+        tmp = self.directory / f"{step}{TMP_SUFFIX}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._peers.get(peer, me, step, tmp)
+            report = _integrity.verify_step(tmp, step)
+            if report.problems:
+                raise _peers.PeerError(f"it does not match its manifest: {report.problems}")
+            folder = self.step_dir(step)
+            if folder.exists():
+                self._delete(step)
+            tmp.rename(folder)
+            _fsync_dir(self.directory)
+        except (_peers.PeerError, OSError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return f"fetching step {step} from process {peer}'s copy failed: {e}"
+        log.warning("local tier: step %d fetched from process %d's copy", step, peer)
+        return None
 
     # ------------------------------------------------------------------------- reading
 
@@ -255,6 +353,17 @@ class LocalStore:
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
+
+    def own_problem(self, step: int) -> str | None:
+        """Why this process's own part of `step` is not here whole (None: it is): missing,
+        or not matching its manifest. A copy from a peer can stand in for it."""
+        folder = self.step_dir(step)
+        if not folder.is_dir() or folder.is_symlink():
+            return f"no local step {step} in {self.directory}"
+        report = _integrity.verify_step(folder, step)
+        if report.problems:
+            return f"{folder} does not match its manifest: {'; '.join(report.problems)}"
+        return None
 
     def problem(self, step: int) -> str | None:
         """Why this process's part of `step` cannot be used here (None: it can): missing,
@@ -323,18 +432,34 @@ def _fsync_dir(path: Path) -> None:
 # --- agreement between processes (collectives: every process calls these in turn) ---------
 
 
-def common_steps(steps: list[int]) -> list[int]:
-    """Of each process's newest local steps, those every process has, oldest first."""
-    mine = sorted(steps)[-_AGREED_STEPS:]
+def holdings(store: LocalStore) -> dict[int, dict[int, list[int]]]:
+    """Every process's local parts and copies, {step: {owner: [holders]}}, of the newest
+    steps each reports (a collective)."""
+    me = jax.process_index()
+    mine = [(s, me) for s in store.steps()[-_AGREED_STEPS:]]
+    for owner, steps in store.copies().items():
+        mine += [(s, owner) for s in steps[-_AGREED_STEPS:]]
+    mine = sorted(mine, reverse=True)[:_HELD]
+    padded = np.full((_HELD, 2), -1, np.int64)
+    if mine:
+        padded[: len(mine)] = mine
     if jax.process_count() == 1:
-        return mine
-    padded = np.full(_AGREED_STEPS, -1, np.int64)
-    padded[: len(mine)] = mine
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, _AGREED_STEPS)
-    common = set(mine)
-    for row in every:
-        common &= {int(s) for s in row if s >= 0}
-    return sorted(common)
+        every = padded[None]
+    else:
+        gathered = multihost_utils.process_allgather(padded)
+        every = np.asarray(gathered).reshape(-1, _HELD, 2)
+    found: dict[int, dict[int, list[int]]] = {}
+    for holder, rows in enumerate(every):
+        for step, owner in rows:
+            if step >= 0:
+                found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
+    return found
+
+
+def complete_steps(held: dict[int, dict[int, list[int]]]) -> list[int]:
+    """The steps of which every process's part is somewhere, oldest first."""
+    owners = set(range(jax.process_count()))
+    return sorted(s for s, parts in held.items() if owners <= set(parts))
 
 
 def refusing(problem: str | None) -> list[int]:

@@ -215,7 +215,7 @@ class CheckpointManager:
         steps = self.all_steps()
         newest = steps[-1] if steps else None
         if self._local is not None:
-            local = _local.common_steps(self._local.steps())
+            local = _local.complete_steps(_local.holdings(self._local))
             if local and (newest is None or local[-1] > newest):
                 return local[-1]
         return newest
@@ -479,7 +479,8 @@ class CheckpointManager:
         local = self._local
         with self._local_errors():
             local.wait()  # this process's own local save in flight
-        steps = _local.common_steps(local.steps())
+        held = _local.holdings(local)
+        steps = _local.complete_steps(held)
         persistent = self._store.committed_steps()
         if step is not None:
             steps = [s for s in steps if s == _check_step(step)]
@@ -492,7 +493,8 @@ class CheckpointManager:
         for candidate in reversed(steps):
             if step is None and persistent and candidate < persistent[-1]:
                 break
-            problem = self._local_problem(candidate, wanted)
+            problem = self._fetch_if_lost(candidate, held[candidate])
+            problem = problem or self._local_problem(candidate, wanted)
             refused = _local.refusing(problem)
             if not refused:
                 with _gc_paused():
@@ -504,6 +506,19 @@ class CheckpointManager:
                 problem or f"process(es) {refused} cannot restore it (their logs say why)",
             )
         return None
+
+    def _fetch_if_lost(self, step: int, parts: dict[int, list[int]]) -> str | None:
+        """Agreed by all: which processes lack their part of `step` whole; each of those
+        fetches it from the first peer keeping a copy (why not, if it could not)."""
+        me, local = jax.process_index(), self._local
+        own = local.own_problem(step)
+        lost = _local.refusing(own)
+        if me not in lost:
+            return None
+        peers = [h for h in parts.get(me, []) if h != me]
+        if not peers:
+            return f"{own}, and no other process keeps a copy of it"
+        return local.fetch(step, peers[0])
 
     def _local_problem(self, step: int, wanted: _Wanted) -> str | None:
         """Why this process cannot restore `step` from its local part (None: it can)."""

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import re
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -180,6 +181,24 @@ def missing_processes(error: BaseException) -> list[int]:
     tasks = re.findall(r"\d+", found.group(1)) if found else []
     tasks += re.findall(r"Task (\d+) heartbeat timeout", text)
     return sorted({int(t) for t in tasks})
+
+
+def coordinator_route() -> str:
+    """This host's address towards JAX's coordinator (`jax.distributed.initialize`'s): the
+    address its peers reach it at (127.0.0.1 in a job on one machine). No packet is sent:
+    a UDP socket's connect only picks the route."""
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address
+    if not address:
+        return "127.0.0.1"
+    host, _, port = address.rpartition(":")
+    family, kind, proto, _, where = socket.getaddrinfo(
+        host.strip("[]"), int(port), type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(where)
+        return s.getsockname()[0]
 
 
 # --- end of Orbax's and JAX's internals -------------------------------------------------

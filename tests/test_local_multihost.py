@@ -71,7 +71,18 @@ def test_local_directories_lost_or_moved(tmp_path, uninterrupted):
 
     _killed(_run(tmp_path, 2, 4, local=moved, start="latest", kill_after=16, check=False))
     shutil.rmtree(tmp_path / "local-1")  # process 1's host replaced: its directory is empty
-    resumed = [r.report() for r in _run(tmp_path, 2, 4, local=moved, start="latest")]
+    results = _run(tmp_path, 2, 4, local=moved, start="latest")
+    resumed = [r.report() for r in results]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(16, "local")}
+    assert "step 16 fetched from process 0's copy" in results[1].stderr
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_a_lost_directory_without_copies_restores_the_persistent_step(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, replicas=0, check=False))
+    assert not (tmp_path / "local-0" / "replicas").exists()
+    shutil.rmtree(tmp_path / "local-1")
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, start="latest", replicas=0)]
     assert {(r["restored"], r["tier"]) for r in resumed} == {(10, "persistent")}
     _same_continuation(resumed, uninterrupted(2, 4))
 
@@ -94,12 +105,26 @@ def test_a_process_killed_mid_local_save_leaves_the_newest_complete_step(tmp_pat
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
-def test_a_corrupted_local_file_on_one_process_passes_its_step_over(tmp_path, uninterrupted):
+def _flip(path, at=100):
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_corrupted_local_file_is_replaced_by_its_copy(tmp_path, uninterrupted):
     _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
-    data = tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin"
-    raw = bytearray(data.read_bytes())
-    raw[100] ^= 0x01
-    data.write_bytes(bytes(raw))
+    _flip(tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin")
+    results = _run(tmp_path, 2, 4, start="latest")
+    resumed = [r.report() for r in results]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
+    assert "step 14 fetched from process 0's copy" in results[1].stderr
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
+def test_a_corrupted_file_and_copy_pass_the_step_over(tmp_path, uninterrupted):
+    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+    _flip(tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin")
+    _flip(tmp_path / "local-0" / "replicas" / "1" / "14" / "packed" / "1-of-2.bin")
     results = _run(tmp_path, 2, 4, start="latest")
     resumed = [r.report() for r in results]
     assert {(r["restored"], r["tier"]) for r in resumed} == {(12, "local")}

@@ -6,7 +6,8 @@ or not, resumed or not, reporting what each process holds at the end.
 list of one folder a process: each process's own directory), start (0: from scratch; "latest": restore the latest step first),
 stop (the last step to train), kill_after (SIGKILL every process once this step's saves are
 written), kill_in_local_write (process 1 SIGKILLs itself inside its local write of this step,
-before the rename; the others stop after writing theirs), data (restore the iterator too).
+before the rename; the others stop after writing theirs), data (restore the iterator too),
+replicas (LocalTier's, 1 by default).
 """
 
 import os
@@ -93,7 +94,9 @@ def manager(job: Job) -> jaxckpt.CheckpointManager:
     return jaxckpt.CheckpointManager(
         job.args["persistent"],
         policy=jaxckpt.SavePolicy(every_steps=10),
-        local=jaxckpt.LocalTier(local, every_steps=2, keep_last=2),
+        local=jaxckpt.LocalTier(
+            local, every_steps=2, keep_last=2, replicas=job.args.get("replicas", 1)
+        ),
     )
 
 
