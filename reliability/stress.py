@@ -1,7 +1,7 @@
 """Crash and corruption stress: kill writers at random moments, damage steps, check recovery.
 
     python -m reliability.stress [--trials 30] [--multihost-trials 6] [--gcs-trials 10]
-                                 [--hostile-trials 10] [--seed 0]
+                                 [--hostile-trials 10] [--local-trials 10] [--seed 0]
 
 Writes RELIABILITY.md (the table below is regenerated from the run). Every trial is seeded:
 the same seed gives the same kill moments. After every kill a *new* process-independent
@@ -19,6 +19,7 @@ check runs:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -155,6 +156,137 @@ def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = Non
         tally.trials += 1
 
 
+LOCAL_LOSSES = (
+    "none",
+    "the killed process's directory wiped",
+    "the other's wiped",
+    "both wiped",
+    "a byte flipped in a part or copy",
+)
+
+
+def local_trial(seed: int, tally: Tally, losses: dict[str, int]) -> None:
+    """One seeded kill of a 2-process job saving to a local tier (every step, a copy of each
+    part on the other process) and a persistent one (every 5th), then a seeded loss; a new
+    job must restore exactly the newest step still whole somewhere (`recoverable`)."""
+    rng = random.Random(seed)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the local tier: a RAM disk
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-local-", dir=shm) as tmp:
+        persistent, local = f"{tmp}/persistent", [f"{tmp}/local-{i}" for i in (0, 1)]
+        procs = start_local_job(persistent, local, "write")
+        victim = rng.randrange(2)
+        try:
+            first, deadline = "", time.monotonic() + FIRST_SAVE_S
+            while not first.isdigit():
+                line = launch.readline(procs[victim], max(0.0, deadline - time.monotonic()))
+                assert line, "the writer exited before its first save"
+                first = line.strip()
+            time.sleep(rng.uniform(0.0, 1.5))
+            procs[victim].send_signal(signal.SIGKILL)
+            for p in procs:  # the other stops at its next collective, or we end it
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=30)
+            loss = rng.choice(LOCAL_LOSSES)
+            losses[loss] = losses.get(loss, 0) + 1
+            damage_local(rng, loss, victim, [Path(d) for d in local])
+            want_step, want_tier = recoverable(Path(persistent), [Path(d) for d in local])
+            checkers = start_local_job(persistent, local, "check", stderr=subprocess.PIPE)
+            reports = []
+            for c in checkers:
+                out, err = c.communicate(timeout=FIRST_SAVE_S)
+                lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+                assert c.returncode == 0 and len(lines) == 2, f"check failed: {err[-1500:]}"
+                reports.append(lines)
+            for got, after in reports:
+                assert got["exact"], f"step {got['step']}: wrong bytes"
+                assert (got["step"], got["tier"]) == (want_step, want_tier), (
+                    f"{loss}: restored {got['step']} ({got['tier']}), expected {want_step} "
+                    f"({want_tier})"
+                )
+                assert after["latest"] == after["persistent"][-1], after
+            left = [p.name for d in local for p in Path(d).rglob("*jaxckpt-tmp")]
+            assert not left, f"leftovers not cleaned: {left}"
+            tally.visible.append(want_step or 0)
+        except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
+            tally.failures.append(f"seed {seed}: {e}")
+        finally:
+            for p in procs:
+                p.kill()
+        tally.trials += 1
+
+
+def start_local_job(persistent: str, local: list[str], mode: str, stderr: Any = subprocess.DEVNULL):
+    port = free_port()
+    return [
+        launch.start(
+            "-m",
+            "reliability.local_writer",
+            persistent,
+            local[i],
+            i,
+            2,
+            4,
+            port,
+            N // 4,
+            mode,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+
+
+def damage_local(rng: random.Random, loss: str, victim: int, local: list[Path]) -> None:
+    import shutil
+
+    from reliability.faults import largest_data_file
+
+    wiped = {
+        "the killed process's directory wiped": [victim],
+        "the other's wiped": [1 - victim],
+        "both wiped": [0, 1],
+    }.get(loss, [])
+    for i in wiped:
+        shutil.rmtree(local[i], ignore_errors=True)
+    if loss == "a byte flipped in a part or copy":
+        folders = [f for d in local for f in [*d.glob("[0-9]*"), *d.glob("replicas/*/[0-9]*")]]
+        folders = sorted(f for f in folders if f.is_dir() and "jaxckpt" not in f.name)
+        if folders:
+            f = largest_data_file(rng.choice(folders))
+            data = bytearray(f.read_bytes())
+            data[rng.randrange(len(data))] ^= 0x01
+            f.write_bytes(bytes(data))
+
+
+def recoverable(persistent: Path, local: list[Path]) -> tuple[int | None, str | None]:
+    """The harness's own oracle: the newest step of which each process's part is whole
+    (its manifest verifies) in its own directory or as a copy in the other's, unless the
+    persistent tier's newest committed step is newer."""
+    from jaxckpt import _integrity
+
+    def whole(folder: Path, step: int) -> bool:
+        return folder.is_dir() and _integrity.verify_step(folder, step).ok
+
+    steps = {int(f.name) for d in local if d.is_dir() for f in d.iterdir() if f.name.isdigit()}
+    covered = [
+        s
+        for s in steps
+        if all(
+            whole(local[o] / str(s), s) or whole(local[1 - o] / "replicas" / str(o) / str(s), s)
+            for o in (0, 1)
+        )
+    ]
+    committed = [int(f.name) for f in persistent.iterdir() if f.name.isdigit()]
+    best_local, best_persistent = max(covered, default=None), max(committed, default=None)
+    if best_local is not None and (best_persistent is None or best_local >= best_persistent):
+        return best_local, "local"
+    return best_persistent, None if best_persistent is None else "persistent"
+
+
 def corruption_trials() -> dict[str, str]:
     """Each corruption on a fresh 2-step checkpoint: verify and restore must name it."""
     import re
@@ -251,6 +383,7 @@ def main() -> int:
     parser.add_argument("--multihost-trials", type=int, default=6)
     parser.add_argument("--gcs-trials", type=int, default=10)
     parser.add_argument("--hostile-trials", type=int, default=10)
+    parser.add_argument("--local-trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "RELIABILITY.md")
     args = parser.parse_args()
@@ -284,6 +417,13 @@ def main() -> int:
                     )
             finally:
                 gcs.stop(server)
+    on_local, losses = Tally(), {}
+    for i in range(args.local_trials):
+        local_trial(args.seed + 5000 + i, on_local, losses)
+        print(
+            f"local-tier kill {i + 1}/{args.local_trials}: {len(on_local.failures)} failures",
+            flush=True,
+        )
     corruptions = corruption_trials()
     hostile_rows = hostile_trials(args.seed, args.hostile_trials)
 
@@ -297,6 +437,17 @@ def main() -> int:
             f"visible after the kill: {min(t.visible)}-{max(t.visible)}"
         )
 
+    def local_kills(t: Tally) -> str:
+        if not t.trials:
+            return "not run"
+        if t.failures:
+            return f"FAILED {len(t.failures)}: " + "; ".join(t.failures[:3])
+        return (
+            "each restored exactly the newest step still whole in a part or copy (or the "
+            "persistent step when newer), with the saved bytes; no leftover; restored steps "
+            f"{min(t.visible)}-{max(t.visible)}"
+        )
+
     rows = [
         ("SIGKILL of a writer saving in a loop, random moment", single.trials, kills(single)),
         ("SIGKILL of 1 of 2 multi-host writers, random moment", multi.trials, kills(multi)),
@@ -304,6 +455,14 @@ def main() -> int:
             "SIGKILL of a writer saving to gs:// (GCS emulator), random moment",
             on_gcs.trials,
             kills(on_gcs),
+        ),
+        (
+            "SIGKILL of 1 of 2 processes saving to a local tier (every step, copies on the "
+            "other) and a persistent one, random moment, then a seeded loss ("
+            + ", ".join(f"{k}: {v}" for k, v in sorted(losses.items()))
+            + "); a new job restores",
+            on_local.trials,
+            local_kills(on_local),
         ),
         *((f"corruption: {name}", 1, result) for name, result in corruptions.items()),
         *hostile_rows,
@@ -314,6 +473,7 @@ def main() -> int:
             multi=args.multihost_trials,
             gcs=args.gcs_trials,
             hostile=args.hostile_trials,
+            local=args.local_trials,
             seed=args.seed,
         )
         + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
@@ -326,6 +486,7 @@ def main() -> int:
         1
         if single.failures
         or multi.failures
+        or on_local.failures
         or on_gcs.failures
         or any("FAILED" in r for r in corruptions.values())
         or any("FAILED" in r for _, _, r in hostile_rows)
@@ -335,10 +496,11 @@ def main() -> int:
 
 RELIABILITY_HEAD = """# Reliability report
 
-Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --hostile-trials {hostile} --seed {seed}`
+Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --hostile-trials {hostile} --local-trials {local} --seed {seed}`
 (seeded: the same seed gives the same kill moments). The same faults run in the test suite in
 smaller numbers (`tests/test_atomicity.py`, `tests/test_integrity.py`, `tests/test_async.py`,
-`tests/test_multihost.py`, `tests/test_gcs.py`, `tests/test_hostile.py`).
+`tests/test_multihost.py`, `tests/test_gcs.py`, `tests/test_hostile.py`,
+`tests/test_local_multihost.py`).
 
 After every kill, a new process checks: every visible step verifies against its manifest and
 restores with exactly the bytes saved for it; `latest_step()` restores; a new writer saves the
@@ -369,6 +531,8 @@ Also covered by tests (one run each, every `make test`):
 | the lock file deleted after a commit, before retention | nothing is deleted (`LockedError`); every step stays |
 | another job's retention deletes the step being restored | `restore()` restores the new latest step; `restore(step)` raises `StepNotFoundError` saying it was deleted |
 | a second SIGTERM while the main thread is blocked in `restore()` or `wait()` | the process dies of SIGTERM (the first one is only the preemption notice) |
+| local tier, 2 and 4 processes: every process killed after a local step; one killed mid local save; a directory wiped, or moved to a new path; a file, or a file and its copy, corrupted; no copies kept; a restart on another process count | the newest step whole in a part or copy (a lost part fetched from its copy), else the persistent step; the continuation bitwise equal to an uninterrupted run's, data positions included |
+| local tier's peer protocol: requests without the listener's token, file paths out of the copy's folder, bytes changed on the way, malformed or oversized headers | refused, nothing written outside the copy's folder, and the listener keeps serving |
 """
 
 
