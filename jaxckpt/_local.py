@@ -248,18 +248,18 @@ class LocalStore:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def prune_after(self, step: int) -> None:
-        """Deletes the local steps newer than `step` (a restore went back to it: they are of
-        a timeline that does not go on)."""
+        """Deletes the local steps newer than `step`, parts and copies (a restore went back
+        to it: they are of a timeline that does not go on, and copies of every process's
+        part of one would make it whole again)."""
         self.wait()
-        for old in self.steps():
-            if old > step:
-                log.info(
-                    "local tier: deleting step %d of %s, newer than the restored %d",
-                    old,
-                    self.directory,
-                    step,
-                )
-                self._delete(old)
+        doomed = [self.step_dir(s) for s in self.steps() if s > step]
+        for owner, steps in self.copies().items():
+            doomed += [self.replica_dir(owner, s) for s in steps if s > step]
+        for folder in doomed:
+            log.info("local tier: deleting %s, newer than the restored step %d", folder, step)
+            gone = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
+            folder.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
     def close(self) -> None:
         try:

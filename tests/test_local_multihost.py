@@ -78,6 +78,16 @@ def test_local_directories_lost_or_moved(tmp_path, uninterrupted):
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
+def test_after_going_back_to_an_older_step_no_newer_local_step_returns(tmp_path, uninterrupted):
+    """Restored to step 10 (and killed at once): the local steps 12-16 and their copies are
+    of a run that does not go on; were the copies kept, they would make 16 whole again."""
+    _killed(_run(tmp_path, 2, 4, kill_after=16, check=False))
+    _killed(_run(tmp_path, 2, 4, start="latest", restore_step=10, kill_after=10, check=False))
+    resumed = [r.report() for r in _run(tmp_path, 2, 4, start="latest")]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(10, "persistent")}
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
 def test_a_lost_directory_without_copies_restores_the_persistent_step(tmp_path, uninterrupted):
     _killed(_run(tmp_path, 2, 4, kill_after=14, replicas=0, check=False))
     assert not (tmp_path / "local-0" / "replicas").exists()

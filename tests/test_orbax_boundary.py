@@ -89,3 +89,16 @@ def test_jaxs_batched_device_put_places_host_arrays_as_device_put_does(mesh):
             s.index for s in jax.device_put(h, sharding).addressable_shards
         ]
         np.testing.assert_array_equal(np.asarray(g), h)
+
+
+def test_jaxs_distributed_state_names_the_coordinator():
+    """`_orbax.coordinator_route` reads the coordinator's address from JAX's distributed
+    state (None until jax.distributed.initialize; the 2-process local-tier tests run it
+    with a coordinator on 127.0.0.1, whose route is 127.0.0.1)."""
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "coordinator_address"), (
+        "jax._src.distributed.global_state no longer has coordinator_address: update "
+        "_orbax.coordinator_route"
+    )
+    assert _orbax.coordinator_route() == "127.0.0.1"  # no coordinator in this process

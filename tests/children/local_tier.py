@@ -7,7 +7,7 @@ list of one folder a process: each process's own directory), start (0: from scra
 stop (the last step to train), kill_after (SIGKILL every process once this step's saves are
 written), kill_in_local_write (process 1 SIGKILLs itself inside its local write of this step,
 before the rename; the others stop after writing theirs), data (restore the iterator too),
-replicas (LocalTier's, 1 by default).
+replicas (LocalTier's, 1 by default), restore_step (the step to restore, None: the latest).
 """
 
 import os
@@ -130,10 +130,15 @@ def train(job: Job) -> dict:
     with manager(job) as mngr:
         if job.args["start"] == "latest":
             restored = mngr.restore(
-                state=target(m_), rng=jax.random.key(0), data=data if job.args["data"] else None
+                job.args.get("restore_step"),
+                state=target(m_),
+                rng=jax.random.key(0),
+                data=data if job.args["data"] else None,
             )
             state, key, step = restored.state, restored.rng, restored.step
             report.update(restored=step, tier=restored.tier)
+            if job.args.get("kill_after") == step:  # right after the restore
+                os.kill(os.getpid(), signal.SIGKILL)
         else:
             state, key, step = initial(m_), jax.random.key(1234), 0
         while step < job.args["stop"]:
