@@ -58,9 +58,10 @@ class LocalTier:
       every_steps: save to it at every step divisible by this number.
       keep_last: the newest local steps kept (older ones are deleted after each local save).
       replicas: how many other processes keep a copy of this process's part (the next
-        ones in the ring of processes: on a pod, other hosts), sent to them over TCP in the
-        background once the part is written; a process whose directory is lost gets its
-        part back from one of them at restore. 0 keeps no copies.
+        ones in the ring of processes that run on other machines, by host name: losing a
+        host loses every directory on it), sent to them over TCP in the background once the
+        part is written; a process whose directory is lost gets its part back from one of
+        them at restore. 0 keeps no copies.
       address: the address peers reach this process at for those copies (None: this
         host's address towards JAX's coordinator, `jax.distributed`'s).
     """
@@ -146,6 +147,7 @@ class LocalStore:
             leftovers = [p for p in self.directory.iterdir() if p.name.endswith(TMP_SUFFIX)]
             leftovers += self.directory.glob(f"*{_layout.DELETING_SUFFIX}")
             leftovers += self.directory.glob(f"{_peers.REPLICAS}/*/*{_peers.TMP_SUFFIX}")
+            leftovers += self.directory.glob(f"{_peers.REPLICAS}/*/*{_layout.DELETING_SUFFIX}")
             for p in leftovers:
                 self._writer.submit(shutil.rmtree, p, True)
         self._peers = None
@@ -236,7 +238,8 @@ class LocalStore:
         for old in self.steps()[: -self.tier.keep_last]:
             self._delete(old)
         if self._peers is not None:
-            for peer in _peers.holders(part.process, part.processes, self.tier.replicas):
+            machines = [a[3] for a in self._peers.addresses]
+            for peer in _peers.holders(part.process, machines, self.tier.replicas):
                 try:
                     self._peers.put(peer, part.process, step, self.step_dir(step))
                 except (_peers.PeerError, OSError) as e:  # the step still stands without it

@@ -1,8 +1,8 @@
 """Copies of local parts between processes, over TCP: the one owner of the peer protocol.
 
-With `LocalTier(replicas=r)`, each process keeps copies of the parts of the r processes
-before it in the ring (process p's part goes to p+1, ..., p+r, modulo the count), so that a
-process whose directory is lost gets its part back from a peer. A process never opens
+With `LocalTier(replicas=r)`, each process's part goes to r other processes (`holders`: the
+next ones in the ring of processes that run on another machine), so that a process whose
+directory is lost gets its part back from a peer. A process never opens
 another process's directory: on a pod that is another machine's disk. Each process listens
 on a port of its own in a thread of its own (beside XLA's collectives, never among them:
 a background transfer issuing collectives could interleave with a training step's on other
@@ -57,10 +57,13 @@ class PeerError(Exception):
     """A transfer with a peer failed (its message says which and why)."""
 
 
-def holders(process: int, processes: int, replicas: int) -> list[int]:
-    """The processes that keep copies of `process`'s part."""
-    count = min(replicas, processes - 1)
-    return [(process + k) % processes for k in range(1, count + 1)]
+def holders(process: int, machines: list[str], replicas: int) -> list[int]:
+    """The processes that keep copies of `process`'s part: the next ones in the ring that
+    run on other machines (losing a host loses all its processes' directories), then, if
+    there are too few of those, the next ones on the same machine."""
+    ring = [(process + k) % len(machines) for k in range(1, len(machines))]
+    elsewhere = [p for p in ring if machines[p] != machines[process]]
+    return (elsewhere + [p for p in ring if p not in elsewhere])[:replicas]
 
 
 class Peers:
@@ -82,7 +85,7 @@ class Peers:
         self._server.settimeout(1.0)
         self._closed = threading.Event()
         port = self._server.getsockname()[1]
-        self.addresses = _exchange(f"{address} {port} {self._token}")
+        self.addresses = _exchange(f"{address} {port} {self._token} {socket.gethostname()}")
         self._thread = threading.Thread(target=self._listen, name="jaxckpt-peers", daemon=True)
         self._thread.start()
 
@@ -122,7 +125,7 @@ class Peers:
         return {"token": token, "op": op, "owner": owner, "step": step, **more}
 
     def _connect(self, peer: int) -> socket.socket:
-        host, port, _ = self.addresses[peer]
+        host, port, _, _ = self.addresses[peer]
         try:
             conn = socket.create_connection((host, port), timeout=TIMEOUT_S)
         except OSError as e:
@@ -186,8 +189,8 @@ class Peers:
             _send_file(conn, folder / rel, size)
 
 
-def _exchange(mine: str) -> list[tuple[str, int, str]]:
-    """Every process's "host port token" (a collective)."""
+def _exchange(mine: str) -> list[tuple[str, int, str, str]]:
+    """Every process's "address port token machine" (a collective)."""
     raw = mine.encode()
     if len(raw) > _ADDRESS_BYTES:
         raise PeerError(f"the address {mine!r} is too long")
@@ -196,8 +199,8 @@ def _exchange(mine: str) -> list[tuple[str, int, str]]:
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, _ADDRESS_BYTES)
     out = []
     for row in every:
-        host, port, token = bytes(row).rstrip(b"\0").decode().split(" ")
-        out.append((host, int(port), token))
+        host, port, token, machine = bytes(row).rstrip(b"\0").decode().split(" ", 3)
+        out.append((host, int(port), token, machine))
     return out
 
 

@@ -42,6 +42,16 @@ def _part(folder):
     return folder
 
 
+def test_copies_go_to_other_machines_first():
+    machines = ["a", "a", "b", "b", "c", "c"]  # two processes a host
+    assert _peers.holders(0, machines, 1) == [2]
+    assert _peers.holders(1, machines, 2) == [2, 3]
+    assert _peers.holders(5, machines, 1) == [0]
+    assert _peers.holders(0, ["a", "a"], 1) == [1]  # one machine: the next process
+    assert _peers.holders(0, ["a", "b"], 3) == [1]  # never more than the others
+    assert _peers.holders(0, ["a"], 1) == []
+
+
 def test_a_part_goes_to_a_peer_and_comes_back_whole(peer, tmp_path):
     part = _part(tmp_path / "mine")
     peer.put(0, 3, 12, part)
@@ -58,7 +68,7 @@ def test_a_part_goes_to_a_peer_and_comes_back_whole(peer, tmp_path):
 
 
 def _raw(peer, header, body=b""):
-    host, port, _ = peer.addresses[0]
+    host, port, _, _ = peer.addresses[0]
     with socket.create_connection((host, port), timeout=30) as conn:
         raw = json.dumps(header).encode()
         conn.sendall(struct.pack(">I", len(raw)) + raw + body)
@@ -119,7 +129,7 @@ def test_a_malformed_request_is_refused(peer, header):
 
 
 def test_a_header_too_big_or_not_json_closes_the_connection_only(peer, tmp_path):
-    host, port, _ = peer.addresses[0]
+    host, port, _, _ = peer.addresses[0]
     for raw in (struct.pack(">I", 2**31), struct.pack(">I", 5) + b"nope!"):
         with socket.create_connection((host, port), timeout=30) as conn:
             conn.sendall(raw)

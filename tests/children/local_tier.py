@@ -4,8 +4,8 @@ or not, resumed or not, reporting what each process holds at the end.
 
 `job.args`: persistent (the shared directory), local (a folder with `{process}` in it, or a
 list of one folder a process: each process's own directory), start (0: from scratch; "latest": restore the latest step first),
-stop (the last step to train), kill_after (SIGKILL every process once this step's saves are
-written), kill_in_local_write (process 1 SIGKILLs itself inside its local write of this step,
+stop (the last step to train), kill_after (SIGKILL every process once this step's saves,
+copies included, are written on every process), kill_in_local_write (process 1 SIGKILLs itself inside its local write of this step,
 before the rename; the others stop after writing theirs), data (restore the iterator too),
 replicas (LocalTier's, 1 by default), restore_step (the step to restore, None: the latest).
 """
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import xxhash
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -147,8 +148,12 @@ def train(job: Job) -> dict:
             data.advance()
             if mngr.should_save(step):
                 mngr.save(step, state=state, rng=key, data=data)
-            if step in (job.args.get("kill_after"), kill_in):
+            if step == kill_in:
                 mngr.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == job.args.get("kill_after"):
+                mngr.wait()  # this process's part written, and its copies received...
+                multihost_utils.sync_global_devices("copies")  # ...as every other's
                 os.kill(os.getpid(), signal.SIGKILL)
         mngr.wait()
         report.update(
