@@ -142,7 +142,12 @@ class LocalStore:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         if not read_only:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(
+                    f"LocalTier.directory {self.directory} cannot be made: {e.strerror or e}"
+                ) from None
             # a save killed mid-write, a deletion that never finished, a copy half received
             leftovers = [p for p in self.directory.iterdir() if p.name.endswith(TMP_SUFFIX)]
             leftovers += self.directory.glob(f"*{_layout.DELETING_SUFFIX}")

@@ -180,6 +180,11 @@ class CheckpointManager:
                 lock=self._lock,
                 pack=bool(pack_small_leaves) and compression is None,
             )
+            try:  # its listener for copies, made by every process at once (a collective)
+                self._local = _local.LocalStore(local, read_only=read_only) if local else None
+            except BaseException:
+                self._store.close()
+                raise
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
@@ -195,7 +200,6 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._in_flight: int | None = None
         self._due: tuple[int, bool, bool] | None = None  # should_save's (step, local, persistent)
-        self._local = _local.LocalStore(local, read_only=read_only) if local else None
         self._closed = False
 
     @property

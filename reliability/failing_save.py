@@ -6,6 +6,7 @@ just before the failing saves.
     python -m reliability.failing_save DIRECTORY immutable|interrupt TIMEOUT_S
 """
 
+import signal
 import subprocess
 import sys
 
@@ -16,6 +17,9 @@ import jaxckpt
 
 
 def main() -> None:
+    # Ctrl-C raises KeyboardInterrupt whatever this process inherited: a job started in the
+    # background of a non-interactive shell ignores SIGINT, and so would its children.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     jax.config.update("jax_platforms", "cpu")
     directory, how, timeout_s = sys.argv[1], sys.argv[2], int(sys.argv[3])
     m = jaxckpt.CheckpointManager(directory, timeout_s=timeout_s)

@@ -233,3 +233,12 @@ def test_the_local_tier_is_host_local(tmp_path):
         jaxckpt.LocalTier("gs://bucket/run", every_steps=5)
     with pytest.raises(ConfigError, match=r"must be a jaxckpt\.LocalTier"):
         jaxckpt.CheckpointManager(tmp_path, local=str(tmp_path / "l"))
+
+
+def test_a_local_directory_that_cannot_be_made_leaves_nothing_held(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    tier = jaxckpt.LocalTier(tmp_path / "file" / "local", every_steps=2)
+    with pytest.raises(ConfigError, match=r"LocalTier\.directory .*/file/local cannot be made"):
+        jaxckpt.CheckpointManager(tmp_path / "persistent", local=tier)
+    with jaxckpt.CheckpointManager(tmp_path / "persistent") as m:  # the lock was released
+        m.save(1, state={"x": np.zeros(3)})
