@@ -335,6 +335,9 @@ class LocalStore:
             report = _integrity.verify_step(tmp, step)
             if report.problems:
                 raise _peers.PeerError(f"it does not match its manifest: {report.problems}")
+            with open_inside(tmp, PART_PATH) as f:
+                if Part.from_json(json.loads(f.read())) != Part.here():
+                    raise _peers.PeerError("it is not this process's part, on these devices")
             folder = self.step_dir(step)
             if folder.exists():
                 self._delete(step)
@@ -364,20 +367,10 @@ class LocalStore:
 
     def own_problem(self, step: int) -> str | None:
         """Why this process's own part of `step` is not here whole (None: it is): missing,
-        or not matching its manifest. A copy from a peer can stand in for it."""
+        another process's or topology's, or not matching its manifest. A copy from a peer
+        can stand in for it."""
         folder = self.step_dir(step)
         if not folder.is_dir() or folder.is_symlink():
-            return f"no local step {step} in {self.directory}"
-        report = _integrity.verify_step(folder, step)
-        if report.problems:
-            return f"{folder} does not match its manifest: {'; '.join(report.problems)}"
-        return None
-
-    def problem(self, step: int) -> str | None:
-        """Why this process's part of `step` cannot be used here (None: it can): missing,
-        another process's or topology's, or not matching its manifest."""
-        folder = self.step_dir(step)
-        if not folder.is_dir():
             return f"no local step {step} in {self.directory}"
         try:
             with open_inside(folder, PART_PATH) as f:

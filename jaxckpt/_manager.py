@@ -512,8 +512,9 @@ class CheckpointManager:
         return None
 
     def _fetch_if_lost(self, step: int, parts: dict[int, list[int]]) -> str | None:
-        """Agreed by all: which processes lack their part of `step` whole; each of those
-        fetches it from the first peer keeping a copy (why not, if it could not)."""
+        """Agreed by all: which processes lack their own part of `step`, whole (checked
+        against its manifest); each of those fetches it from the first peer keeping a copy
+        (why not, if it could not)."""
         me, local = jax.process_index(), self._local
         own = local.own_problem(step)
         lost = _local.refusing(own)
@@ -525,10 +526,9 @@ class CheckpointManager:
         return local.fetch(step, peers[0])
 
     def _local_problem(self, step: int, wanted: _Wanted) -> str | None:
-        """Why this process cannot restore `step` from its local part (None: it can)."""
+        """Why this process cannot restore `step` from its local part, which is whole and
+        its own (`_fetch_if_lost`): None if it can."""
         local = self._local
-        if problem := local.problem(step):  # its part, this topology, its manifest
-            return problem
         try:
             info = local.info(step)
             for item, target, home, partial in self._items(info, wanted):
