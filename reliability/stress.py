@@ -122,6 +122,27 @@ def check(directory: str | Path) -> tuple[list[int], bool]:
     return steps, leftover
 
 
+def kill_after_first_save(procs: list[subprocess.Popen], victim: int, rng: random.Random) -> str:
+    """SIGKILLs `procs[victim]` at a seeded moment after its first save returned, then waits
+    for the others (they fail on the dead peer, or stop at their next collective) or ends
+    them. Returns the first step the victim printed."""
+    first, deadline = "", time.monotonic() + FIRST_SAVE_S
+    while not first.isdigit():  # one save started and returned (skip gloo's chatter)
+        remaining = max(0.0, deadline - time.monotonic())
+        line = launch.readline(procs[victim], timeout=remaining)
+        assert line, "the writer exited before its first save"
+        first = line.strip()
+    time.sleep(rng.uniform(0.0, 1.5))  # the kill moment: seeded, not a wait for a result
+    procs[victim].send_signal(signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=30)
+    return first
+
+
 def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = None) -> None:
     """One seeded kill, in a fresh local directory or under `bucket` (gs://...)."""
     rng = random.Random(seed)
@@ -130,21 +151,8 @@ def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = Non
         procs = start_writers(directory, processes)
         victim = rng.randrange(processes)
         try:
-            first, deadline = "", time.monotonic() + FIRST_SAVE_S
-            while not first.isdigit():  # one save started and returned (skip gloo's chatter)
-                remaining = max(0.0, deadline - time.monotonic())
-                line = launch.readline(procs[victim], timeout=remaining)
-                assert line, "the writer exited before its first save"
-                first = line.strip()
+            first = kill_after_first_save(procs, victim, rng)
             assert first == "1", f"the writer started at step {first}"
-            time.sleep(rng.uniform(0.0, 1.5))  # the kill moment: seeded, not a wait for a result
-            procs[victim].send_signal(signal.SIGKILL)
-            for p in procs:  # the others fail on the dead peer, or we end them
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=30)
             steps, leftover = check(directory)
             tally.visible.append(len(steps))
             tally.leftovers += leftover
@@ -176,19 +184,7 @@ def local_trial(seed: int, tally: Tally, losses: dict[str, int]) -> None:
         procs = start_local_job(persistent, local, "write")
         victim = rng.randrange(2)
         try:
-            first, deadline = "", time.monotonic() + FIRST_SAVE_S
-            while not first.isdigit():
-                line = launch.readline(procs[victim], max(0.0, deadline - time.monotonic()))
-                assert line, "the writer exited before its first save"
-                first = line.strip()
-            time.sleep(rng.uniform(0.0, 1.5))
-            procs[victim].send_signal(signal.SIGKILL)
-            for p in procs:  # the other stops at its next collective, or we end it
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=30)
+            kill_after_first_save(procs, victim, rng)
             loss = rng.choice(LOCAL_LOSSES)
             losses[loss] = losses.get(loss, 0) + 1
             damage_local(rng, loss, victim, [Path(d) for d in local])
