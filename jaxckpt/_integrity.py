@@ -92,7 +92,8 @@ def unsafe_entries(step_dir: epath.Path) -> list[str]:
     return _listing(step_dir)[1]
 
 
-def _digest(root: epath.Path, rel: str) -> tuple[int, str]:
+def digest(root: epath.Path, rel: str) -> tuple[int, str]:
+    """The size and XXH3-128 hex digest of the file `root/rel` (opened without links)."""
     h, size = xxhash.xxh3_128(), 0
     with open_inside(root, rel) as f:
         while chunk := f.read(_CHUNK):
@@ -111,9 +112,9 @@ def write_manifest(step_dir: epath.Path) -> None:
     if odd:  # never written by Orbax: something else wrote into the step being saved
         raise OSError(f"{step_dir} holds what no save writes: {'; '.join(odd)}")
     with _pool() as pool:
-        digests = list(pool.map(lambda rel: _digest(step_dir, rel), rels))
+        digests = list(pool.map(lambda rel: digest(step_dir, rel), rels))
     files = {
-        rel: {"size": size, HASH: digest} for rel, (size, digest) in zip(rels, digests, strict=True)
+        rel: {"size": size, HASH: found} for rel, (size, found) in zip(rels, digests, strict=True)
     }
     doc = {"format": 1, "hash": f"{HASH} (python-xxhash {xxhash.VERSION})", "files": files}
     (step_dir / _layout.META_DIR).mkdir(exist_ok=True)
@@ -152,12 +153,12 @@ def verify_step(
         if rel not in present:
             return 0, f"{rel}: missing"
         try:
-            size, digest = _digest(step_dir, rel)
+            size, found = digest(step_dir, rel)
         except OSError as e:
             return 0, f"{rel}: unreadable ({e.strerror or e})"
         if size != expected["size"]:
             return size, f"{rel}: {size} bytes, {expected['size']} expected (truncated or grown)"
-        if digest != expected[HASH]:
+        if found != expected[HASH]:
             return size, f"{rel}: contents changed (checksum mismatch)"
         return size, None
 

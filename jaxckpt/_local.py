@@ -43,7 +43,7 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt")
 
 PART_PATH = f"{_layout.META_DIR}/part.json"
-TMP_SUFFIX = ".jaxckpt-tmp"
+TMP_SUFFIX = _peers.TMP_SUFFIX  # a folder being written (a part, or a copy received)
 _AGREED_STEPS = 32  # the newest local steps each process reports when they agree
 _HELD = 128  # the most (step, owner) pairs of parts and copies a process reports
 
@@ -138,7 +138,6 @@ class LocalStore:
     def __init__(self, tier: LocalTier, *, read_only: bool = False):
         self.tier = tier
         self.directory = Path(absolute(tier.directory))
-        self._read_only = read_only
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         if not read_only:
@@ -149,10 +148,12 @@ class LocalStore:
                     f"LocalTier.directory {self.directory} cannot be made: {e.strerror or e}"
                 ) from None
             # a save killed mid-write, a deletion that never finished, a copy half received
-            leftovers = [p for p in self.directory.iterdir() if p.name.endswith(TMP_SUFFIX)]
-            leftovers += self.directory.glob(f"*{_layout.DELETING_SUFFIX}")
-            leftovers += self.directory.glob(f"{_peers.REPLICAS}/*/*{_peers.TMP_SUFFIX}")
-            leftovers += self.directory.glob(f"{_peers.REPLICAS}/*/*{_layout.DELETING_SUFFIX}")
+            leftovers = [
+                p
+                for pattern in ("*", f"{_peers.REPLICAS}/*/*")
+                for suffix in (TMP_SUFFIX, _layout.DELETING_SUFFIX)
+                for p in self.directory.glob(pattern + suffix)
+            ]
             for p in leftovers:
                 self._writer.submit(shutil.rmtree, p, True)
         self._peers = None

@@ -41,6 +41,8 @@ import numpy as np
 import xxhash
 from jax.experimental import multihost_utils
 
+from jaxckpt import _integrity
+
 log = logging.getLogger("jaxckpt")
 
 REPLICAS = "replicas"
@@ -213,16 +215,9 @@ def _files(folder: Path) -> list[list]:
             path = Path(root) / name
             if path.is_symlink() or not path.is_file():
                 raise PeerError(f"{path} is not a regular file")
-            out.append([str(path.relative_to(folder)), path.stat().st_size, _hash(path)])
+            rel = str(path.relative_to(folder))
+            out.append([rel, *_integrity.digest(folder, rel)])
     return out
-
-
-def _hash(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _checked_files(files: Any) -> list[tuple[str, int, str]]:
