@@ -252,9 +252,7 @@ class LocalStore:
                     log.warning("local tier: no copy of step %d at process %d: %s", step, peer, e)
 
     def _delete(self, step: int) -> None:
-        doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
-        (self.directory / str(step)).rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _discard(self.step_dir(step))
 
     def prune_after(self, step: int) -> None:
         """Deletes the local steps newer than `step`, parts and copies (a restore went back
@@ -266,9 +264,7 @@ class LocalStore:
             doomed += [self.replica_dir(owner, s) for s in steps if s > step]
         for folder in doomed:
             log.info("local tier: deleting %s, newer than the restored step %d", folder, step)
-            gone = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
-            folder.rename(gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            _discard(folder)
 
     def close(self) -> None:
         try:
@@ -317,11 +313,11 @@ class LocalStore:
         final = self.replica_dir(owner, step)
         for old in self.copies().get(owner, []):
             if old >= step:
-                shutil.rmtree(self.replica_dir(owner, old), ignore_errors=True)
+                _discard(self.replica_dir(owner, old))
         tmp.rename(final)
         _fsync_dir(final.parent)
         for old in self.copies().get(owner, [])[: -self.tier.keep_last]:
-            shutil.rmtree(self.replica_dir(owner, old), ignore_errors=True)
+            _discard(self.replica_dir(owner, old))
 
     def fetch(self, step: int, peer: int) -> str | None:
         """This process's own part of `step`, fetched from the copy `peer` keeps, in place
@@ -414,6 +410,14 @@ class LocalStore:
     def _part(self, info: _layout.StepInfo) -> _packed.PackedStep:
         folder = self.step_dir(info.step) / _layout.PACKED
         return _packed.PackedStep(folder, jax.process_count(), parts=(jax.process_index(),))
+
+
+def _discard(folder: Path) -> None:
+    """Removes a part or a copy: renamed out of every listing first (a removal cut short
+    leaves a `.jaxckpt-deleting` folder, swept at the next start), then deleted."""
+    doomed = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
+    folder.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -19,6 +19,7 @@ check runs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,20 @@ def check(directory: str | Path) -> tuple[list[int], bool]:
     return steps, leftover
 
 
+@contextlib.contextmanager
+def counted(tally: Tally, seed: int, procs: list[subprocess.Popen]) -> Iterator[None]:
+    """One trial: counted, its failure (an assertion or a timeout) noted, its children
+    killed whatever happened."""
+    try:
+        yield
+    except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
+        tally.failures.append(f"seed {seed}: {e}")
+    finally:
+        for p in procs:
+            p.kill()
+        tally.trials += 1
+
+
 def kill_after_first_save(procs: list[subprocess.Popen], victim: int, rng: random.Random) -> str:
     """SIGKILLs `procs[victim]` at a seeded moment after its first save returned, then waits
     for the others (they fail on the dead peer, or stop at their next collective) or ends
@@ -150,18 +166,12 @@ def kill_trial(seed: int, processes: int, tally: Tally, bucket: str | None = Non
         directory = f"{bucket}/stress-{seed}-{uuid.uuid4().hex[:8]}" if bucket else tmp
         procs = start_writers(directory, processes)
         victim = rng.randrange(processes)
-        try:
+        with counted(tally, seed, procs):
             first = kill_after_first_save(procs, victim, rng)
             assert first == "1", f"the writer started at step {first}"
             steps, leftover = check(directory)
             tally.visible.append(len(steps))
             tally.leftovers += leftover
-        except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
-            tally.failures.append(f"seed {seed}: {e}")
-        finally:
-            for p in procs:
-                p.kill()
-        tally.trials += 1
 
 
 LOCAL_LOSSES = (
@@ -183,7 +193,7 @@ def local_trial(seed: int, tally: Tally, losses: dict[str, int]) -> None:
         persistent, local = f"{tmp}/persistent", [f"{tmp}/local-{i}" for i in (0, 1)]
         procs = start_local_job(persistent, local, "write")
         victim = rng.randrange(2)
-        try:
+        with counted(tally, seed, procs):
             kill_after_first_save(procs, victim, rng)
             loss = rng.choice(LOCAL_LOSSES)
             losses[loss] = losses.get(loss, 0) + 1
@@ -206,12 +216,6 @@ def local_trial(seed: int, tally: Tally, losses: dict[str, int]) -> None:
             left = [p.name for d in local for p in Path(d).rglob("*jaxckpt-tmp")]
             assert not left, f"leftovers not cleaned: {left}"
             tally.visible.append(want_step or 0)
-        except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
-            tally.failures.append(f"seed {seed}: {e}")
-        finally:
-            for p in procs:
-                p.kill()
-        tally.trials += 1
 
 
 def start_local_job(persistent: str, local: list[str], mode: str, stderr: Any = subprocess.DEVNULL):
