@@ -200,6 +200,7 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._in_flight: int | None = None
         self._due: tuple[int, bool, bool] | None = None  # should_save's (step, local, persistent)
+        self._warned: set[str] = set()  # the unreadable step folders logged
         self._closed = False
 
     @property
@@ -215,14 +216,40 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none; with a local tier, the
         newest of either tier (a local step counts once every process's part of it exists:
-        all processes agree on it, so every process calls this)."""
-        steps = self.all_steps()
-        newest = steps[-1] if steps else None
+        all processes agree on it, so every process calls this).
+
+        It looks only at the step folders from the newest one down to the newest committed
+        step: a stat or two whatever the number of steps. Step-like folders it meets that
+        no one can read (a foreign or damaged folder) are logged as warnings, each once;
+        where there is nothing else, the warning says that a resume from here starts over.
+        """
+        listing = self._store.latest()
+        newest = listing.latest
+        self._warn_unreadable(listing)
         if self._local is not None:
             local = _local.complete_steps(_local.holdings(self._local))
             if local and (newest is None or local[-1] > newest):
                 return local[-1]
         return newest
+
+    def _warn_unreadable(self, listing: _layout.Listing) -> None:
+        """Logs each step-like folder no one can read (damaged or foreign) that `listing`
+        met, once a manager: a resume would otherwise pass over it without a word."""
+        found = {repr(name): why for name, why in listing.unreadable.items()}
+        found.update((str(s), f"damaged: {why}") for s, why in listing.damaged.items())
+        new = {name: why for name, why in sorted(found.items()) if name not in self._warned}
+        self._warned.update(new)
+        for name, why in new.items():  # an untrusted name, escaped by repr
+            log.warning("%s: step folder %s cannot be read: %s", self.directory, name, why)
+        if new and listing.latest is None:
+            log.warning(
+                "%s holds no step jaxckpt can read, only the %d step-like folder(s) above: "
+                "latest_step() is None, and a run that resumes from it starts over beside "
+                "them. Check the directory, or see the docs' 'Coming from Orbax' for what "
+                "jaxckpt reads.",
+                self.directory,
+                len(found),
+            )
 
     @property
     def preempted(self) -> bool:
@@ -485,17 +512,17 @@ class CheckpointManager:
             local.wait()  # this process's own local save in flight
         held = _local.holdings(local)
         steps = _local.complete_steps(held)
-        persistent = self._store.committed_steps()
+        persistent = self._store.latest().latest
         if step is not None:
             steps = [s for s in steps if s == _check_step(step)]
-        elif persistent and steps and steps[-1] < persistent[-1]:
+        elif persistent is not None and steps and steps[-1] < persistent:
             log.info(
                 "restore: the persistent step %d is newer than the newest local step %d",
-                persistent[-1],
+                persistent,
                 steps[-1],
             )
         for candidate in reversed(steps):
-            if step is None and persistent and candidate < persistent[-1]:
+            if step is None and persistent is not None and candidate < persistent:
                 break
             problem = self._fetch_if_lost(candidate, held[candidate])
             problem = problem or self._local_problem(candidate, wanted)
@@ -584,15 +611,11 @@ class CheckpointManager:
     def _candidates(self, step: int | None, fallback: bool) -> list[int]:
         """The steps to try, newest first; damaged step folders are reported, not tried."""
         self._finish_pending()
-        listing = self._store.scan()
+        listing = self._store.scan(newest=step is None and not fallback)
         if step is not None:
             return [listing.resolve(_check_step(step))]
+        self._warn_unreadable(listing)
         latest = listing.resolve(None)
-        for s in sorted(listing.damaged):
-            if s > latest:
-                log.warning(
-                    "restore: step folder %d is damaged (%s); ignoring it", s, listing.damaged[s]
-                )
         log.info("restoring the latest committed step %d from %s", latest, self.directory)
         return sorted(listing.committed, reverse=True) if fallback else [latest]
 

@@ -89,6 +89,26 @@ def _wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
     mngr._checkpointer.wait_until_finished()
 
 
+class _UnlistedSteps:
+    """Orbax's own step names (`<step>`), with a listing that finds no step: Orbax's manager
+    lists a directory through `find_all` (at start-up and each `reload`), reading every step's
+    `_CHECKPOINT_METADATA`, so that one unreadable file stopped the whole directory and
+    10,000 steps took seconds; jaxckpt lists it itself (`_layout.Listing`). Orbax's manager
+    then tracks only the steps it saved since its last `reload`."""
+
+    def __init__(self) -> None:
+        self._names = ocp.path.step.standard_name_format()
+
+    def build_name(self, step: int) -> str:
+        return self._names.build_name(step)
+
+    def find_step(self, base_path: epath.PathLike, step: int) -> Any:
+        return self._names.find_step(base_path, step)
+
+    def find_all(self, base_path: epath.PathLike) -> Iterator[Any]:
+        return iter(())
+
+
 def _array_metadata_store() -> Any:
     """Orbax's default store of per-host ArrayMetadata (PRNG key impls among them), which an
     `ArrayHandler` built by hand has only when given it."""
@@ -303,6 +323,7 @@ class OrbaxStore:
         self._lock = lock
         self._saving: int | None = None
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
+        self._prefixed: frozenset[int] = frozenset()
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
         # be saved again.
@@ -320,6 +341,7 @@ class OrbaxStore:
             enable_async_checkpointing=not read_only,
             create=not read_only,
             read_only=read_only,
+            step_name_format=_UnlistedSteps(),
             # jaxckpt removes unfinished saves' leftovers itself (below), in its deleter.
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
@@ -346,52 +368,45 @@ class OrbaxStore:
         )
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
         self._leftovers: list[concurrent.futures.Future] = []
+        # Down to the newest committed step only: opening costs the same at any step count.
+        listing = self.scan(newest=True)
         if not read_only and jax.process_index() == 0:
             # In the background from start-up (a reader never deletes anything): saves that
-            # never committed (a killed process), and deletions that never finished.
+            # never committed (a killed process; on object storage, those above the newest
+            # committed step, as any other was there when a writer started after it), and
+            # deletions that never finished.
             self._leftovers = [
                 self._deleter.submit(_remove, self.directory / n, "an unfinished save's leftovers")
-                for n in self._unfinished()
+                for n in listing.unfinished
             ]
-            for leftover in self.directory.glob(f"*{_layout.DELETING_SUFFIX}"):
-                self._deleter.submit(_remove, leftover)
-            for step in self._tombstoned():
-                self._deleter.submit(self._remove_tombstoned, step)
-        self.scan(committed_only=True)  # which steps plain Orbax wrote
+            for name in listing.deleting:
+                if name.endswith(_layout.TOMBSTONE_SUFFIX):
+                    step = _layout.step_of(name.removesuffix(_layout.TOMBSTONE_SUFFIX))
+                    if step is not None:
+                        self._deleter.submit(self._remove_tombstoned, step)
+                else:
+                    self._deleter.submit(_remove, self.directory / name)
 
-    def scan(self, *, committed_only: bool = False) -> _layout.Listing:
-        """The directory as it is now (another process may have written or deleted).
-        `committed_only`: without the unfinished saves (on object storage, a request per
-        step folder), for the callers on a save's path that ask only what is committed."""
-        if not self.directory.exists():  # removed under a reader
-            return _layout.Listing(self.directory)
-        self._mngr.reload()
-        names = () if committed_only else self._unfinished()
-        listing = _layout.Listing.of(
-            self.directory,
-            finalized=set(self._mngr.all_steps()),
-            uncommitted={_layout.step_of(n.split(".")[0]) for n in names},
-            hidden=self._tombstoned(),
-            known=self._orbax_steps,
-        )
+    def scan(self, *, newest: bool = False) -> _layout.Listing:
+        """The directory as it is now (another process may have written or deleted);
+        `newest`: only down to the newest committed step (`_layout.Listing.of`)."""
+        listing = _layout.Listing.of(self.directory, newest=newest, known=self._orbax_steps)
         self._orbax_steps = dict(listing.orbax)
+        self._prefixed = listing.prefixed
         return listing
 
-    def _unfinished(self) -> list[str]:
-        """The folders of unfinished saves at a jaxckpt step's name: `<step>.orbax-checkpoint-
-        tmp`, or on object storage `<step>` without Orbax's commit file. (Orbax's listing
-        counts there every folder without one: a user's folder, an Orbax step being saved
-        under a prefix; those are never jaxckpt's to remove.)"""
-        names = ocp.path.step.tmp_checkpoints(self.directory)
-        return [n for n in names if _layout.step_of(n.split(".")[0]) is not None]
+    def latest(self) -> _layout.Listing:
+        """A listing down to the newest committed step (`Listing.latest`): a stat or two, or
+        requests, whatever the number of steps."""
+        return self.scan(newest=True)
 
     def committed_steps(self) -> list[int]:
         """Committed steps, jaxckpt's and plain Orbax's, oldest first."""
-        return list(self.scan(committed_only=True).committed)
+        return list(self.scan().committed)
 
     def own_steps(self) -> list[int]:
         """The committed steps jaxckpt wrote, oldest first: the only ones it deletes."""
-        return list(self.scan(committed_only=True).own)
+        return list(self.scan().own)
 
     def tree(self, step: int, item: str | None = None) -> tuple[_layout.StepInfo, str]:
         """A committed step's metadata and which of its trees `item` names: of a jaxckpt
@@ -439,7 +454,11 @@ class OrbaxStore:
         # On object storage an unfinished save sits at its step's path: its removal, started
         # at start-up, ends first (a failed one is logged, and the next writer tries again).
         concurrent.futures.wait(self._leftovers)
-        return self.is_orbax(step) or self.step_dir(step).exists()
+        if self.step_dir(step).exists():
+            return True
+        # `checkpoint_<step>/`, say, below the newest step, which a newest-only scan did not
+        # look into: listed whole now (a save under the step of a folder of another name)
+        return step in self._prefixed and step in self.scan().orbax
 
     def save(
         self,
@@ -604,16 +623,6 @@ class OrbaxStore:
     def close(self) -> None:
         self._mngr.close()
         self._deleter.shutdown(wait=True)
-
-    def _tombstoned(self) -> set[int]:
-        """Steps hidden by a tombstone: being deleted from object storage."""
-        if not is_remote(self.directory):
-            return set()
-        names = (
-            p.name.removesuffix(_layout.TOMBSTONE_SUFFIX)
-            for p in self.directory.glob(f"*{_layout.TOMBSTONE_SUFFIX}")
-        )
-        return {step for n in names if (step := _layout.step_of(n)) is not None}
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""

@@ -60,6 +60,24 @@ def without_commit_files(directory, state):
     return directory
 
 
+def flax_checkpoints(multiprocess):
+    """`flax.training.checkpoints` (Flax's imagenet, wmt and lm1b examples):
+    `<workdir>/checkpoint_<step>/`, each one Orbax pytree."""
+
+    def write(directory, state):
+        from flax.training import checkpoints
+
+        save = (
+            checkpoints.save_checkpoint_multiprocess
+            if multiprocess
+            else checkpoints.save_checkpoint
+        )
+        save(directory, state, step=STEP, keep=3)
+        return directory
+
+    return write
+
+
 def bare(directory, state):
     """`ocp.StandardCheckpointer().save(path, state)`: no step folders at all."""
     with ocp.StandardCheckpointer() as c:
@@ -76,7 +94,10 @@ LAYOUTS = {
     "zarr2-ocdbt": layout_of(use_ocdbt=True, use_zarr3=False),
     "no-commit-files": without_commit_files,
     "bare": bare,
+    "flax": flax_checkpoints(multiprocess=False),
+    "flax-multiprocess": flax_checkpoints(multiprocess=True),
 }
+FLAX = {"flax", "flax-multiprocess"}
 
 
 # Written by orbax-checkpoint 0.2.3, the oldest release that runs here, in its own Python
@@ -306,6 +327,13 @@ def test_a_run_switches_to_jaxckpt_in_place(layout, tmp_path, mesh, request):
         if layout == "prefixed"
         else None
     )
+    if layout in FLAX:  # and Flax its own
+        from flax.training import checkpoints
+
+        assert checkpoints.latest_checkpoint(directory).endswith(f"checkpoint_{STEP}")
+        got = checkpoints.restore_checkpoint(directory, target=None, step=STEP)
+        np.testing.assert_array_equal(got["params"]["params"]["dense"]["kernel"], KERNEL)
+        return
     item = {"maxtext": "items", "orbax-0.2.3-items": "state"}.get(layout)
     with ocp.CheckpointManager(directory, options=options) as m:
         assert STEP in m.all_steps()

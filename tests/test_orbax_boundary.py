@@ -42,10 +42,22 @@ def test_writes_done_is_announced_before_the_commit(tmp_path):
     )
 
 
-def test_unfinished_saves_are_listed_by_orbax(tmp_path):
-    (tmp_path / "3.orbax-checkpoint-tmp").mkdir()
-    (tmp_path / "4").mkdir()
-    assert ocp.path.step.tmp_checkpoints(tmp_path) == ["3.orbax-checkpoint-tmp"]
+def test_orbaxs_manager_lists_steps_only_through_its_name_format(tmp_path):
+    """jaxckpt lists directories itself: Orbax's manager, given `_UnlistedSteps`, must read
+    no step folder (an unreadable `_CHECKPOINT_METADATA` stopped it), and still save and
+    restore a step by its name."""
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "_CHECKPOINT_METADATA").write_text("[1, 2, 3]")
+    options = ocp.CheckpointManagerOptions(step_name_format=_orbax._UnlistedSteps())
+    with ocp.CheckpointManager(tmp_path, options=options) as m:
+        assert m.all_steps() == []
+        m.save(1, args=ocp.args.StandardSave({"w": np.arange(3.0)}))
+        m.wait_until_finished()
+        m.reload()
+        assert m.all_steps() == [], "Orbax's manager listed the directory itself"
+        restored = m.restore(1, args=ocp.args.StandardRestore({"w": np.zeros(3)}))
+    np.testing.assert_array_equal(restored["w"], np.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "7"]
 
 
 def test_orbax_records_a_typed_keys_impl_in_its_array_metadata(tmp_path):
