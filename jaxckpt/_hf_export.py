@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +38,8 @@ def export_safetensors(
     skip_unsupported: bool = True,
     progress: Callable[[int, int], None] | None = None,
     item: str | None = None,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
 ) -> _hf_files.ExportResult:
     """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
 
@@ -56,10 +58,15 @@ def export_safetensors(
       max_shard_size: per-file limit, decimal units (5GB = 5e9 bytes) or binary (GiB).
       metadata: string-to-string `__metadata__` for every file (`format: pt` by default).
       overwrite: replace a non-empty `out_dir`.
-      skip_unsupported: leaves safetensors cannot hold (PRNG keys) are skipped with a log
-        note; False makes them an error.
+      skip_unsupported: leaves safetensors cannot hold (PRNG keys, and dtypes it has no
+        code for: int4, complex128, ...) are skipped with a log note naming each, and listed
+        in the result's `skipped`; False makes them an error.
       progress: called with (bytes written, bytes to write) after each tensor.
       item: of a step plain Orbax wrote, its pytree item to export (None: its only one).
+      include: a regex, or several, searched in each leaf's name (`params.w`): only the
+        leaves one matches are exported (before the name map, which then needs no rule for
+        the others). ConfigError for a pattern that matches no leaf.
+      exclude: likewise, the leaves any of these matches are left out.
     """
     out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
     limit = _hf_files.parse_size(max_shard_size)
@@ -74,13 +81,22 @@ def export_safetensors(
             store.directory, step, store.step_dir(step), verify=not store.is_orbax(step)
         ) as check:
             info = store.info(step, item)
-            by_name = {s.name: s for s in info.state}
+            by_name = _hf_files.select({s.name: s for s in info.state}, include, exclude)
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
-            reader = _LeafReader(store, info, [by_name[p.leaf] for p in placements])
+            unsupported = _hf_files.cannot_hold(placements, by_name, keys, cast)
+            written = [by_name[p.leaf] for p in placements if p.leaf not in unsupported]
+            reader = _LeafReader(store, info, written)
             try:
                 files, skipped = _hf_files.plan(
-                    placements, by_name, keys, cast, limit, skip_unsupported, reader.get, progress
+                    placements,
+                    by_name,
+                    unsupported,
+                    cast,
+                    limit,
+                    skip_unsupported,
+                    reader.get,
+                    progress,
                 )
                 _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:

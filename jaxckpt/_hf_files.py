@@ -14,6 +14,7 @@ a block of a reshaped tensor to blocks of the file's with `reshape_blocks`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,14 +22,15 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from etils import epath
 
 from jaxckpt import _safetensors as st
+from jaxckpt._escape import escape
 from jaxckpt._names import Placement, reshape_text
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, NameMapError, OutputExistsError, UnsupportedValueError
@@ -40,6 +42,9 @@ INDEX_FILE = "model.safetensors.index.json"
 CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# The fix an UnsupportedValueError for unsupported leaves names (the CLI rewrites it).
+SKIP_HINT = "leave them out with exclude=, drop them in the name map, or pass skip_unsupported=True"
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +54,7 @@ class ExportResult:
     files: tuple[str, ...]
     tensors: int
     total_size: int
-    skipped: tuple[str, ...]  # leaves left out because safetensors cannot hold them
+    skipped: tuple[str, ...]  # leaves left out because safetensors cannot hold them (logged)
 
 
 class Planned(NamedTuple):
@@ -101,26 +106,85 @@ def check_output(
     return out_dir, cast, {"format": "pt", **(metadata or {})}
 
 
-def plan(placements, specs, keys, cast, limit, skip_unsupported, get, progress=None):
+def select(
+    leaves: Mapping[str, T],
+    include: str | Sequence[str] | None,
+    exclude: str | Sequence[str] | None,
+) -> dict[str, T]:
+    """The leaves an export keeps: those whose name one `include` regex matches (all when
+    there is none) and no `exclude` regex does, searched in the dotted name as `jaxckpt
+    inspect --filter` searches it. A pattern that matches no leaf is a ConfigError naming it."""
+    kept = dict(leaves)
+    for kind, given in (("include", include), ("exclude", exclude)):
+        patterns = [given] if isinstance(given, str) else list(given or ())
+        if not patterns:
+            continue
+        compiled = [_regex(p, kind) for p in patterns]
+        for pattern, regex in zip(patterns, compiled, strict=True):
+            if not any(regex.search(n) for n in leaves):
+                examples = ", ".join(st.quote_name(n) for n in list(leaves)[:3]) or "none"
+                raise ConfigError(
+                    f"the {kind} pattern {st.quote_name(pattern)} matches no leaf; leaf names "
+                    f"look like {examples} (`jaxckpt inspect DIR` lists them)"
+                )
+        wanted = kind == "include"
+        kept = {n: v for n, v in kept.items() if any(r.search(n) for r in compiled) == wanted}
+    if leaves and not kept:
+        raise ConfigError("the include and exclude patterns leave no leaf to export")
+    return kept
+
+
+def _regex(pattern: object, kind: str) -> re.Pattern:
+    if not isinstance(pattern, str):
+        raise ConfigError(f"{kind} patterns are regex strings, got {type(pattern).__name__}")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(
+            f"the {kind} pattern {pattern!r} is not a regular expression: {e}"
+        ) from None
+
+
+def cannot_hold(placements, specs, keys, cast) -> dict[str, str]:
+    """The placed leaves safetensors has no dtype for, with why: `keys` (PRNG keys) and
+    leaves whose dtype (after `cast`) has no safetensors code (int4, complex128, ...)."""
+    why = {}
+    for placed in placements:
+        if placed.leaf in keys:
+            why[placed.leaf] = "a PRNG key"
+            continue
+        dtype = specs[placed.leaf].dtype
+        with contextlib.suppress(TypeError):  # a dtype NumPy does not know stays a string
+            dtype = out_dtype(np.dtype(dtype), cast)
+        if dtype not in st.CODES:
+            why[placed.leaf] = f"dtype {dtype}"
+    return why
+
+
+def out_dtype(dtype: np.dtype, cast: np.dtype | None) -> np.dtype:
+    return cast if cast is not None and is_float(dtype) else dtype
+
+
+def plan(placements, specs, unsupported, cast, limit, skip_unsupported, get, progress=None):
     """The files of an export (`pack`), every output tensor in leaf order, and the leaves
-    left out: `keys`, the PRNG key leaves the map did not drop, as safetensors has no dtype
-    for them. `get(leaf name)` gives a leaf on the host (from the export's batch reader or a
-    live job's leaves)."""
-    if keys and not skip_unsupported:
+    left out: `unsupported` (from `cannot_hold`: leaf name -> why), skipped with a log note
+    each, or refused unless `skip_unsupported`. `get(leaf name)` gives a leaf on the host
+    (from the export's batch reader or a live job's leaves)."""
+    if unsupported and not skip_unsupported:
+        listed = [f"{st.quote_name(n)} ({why})" for n, why in list(unsupported.items())[:20]]
+        more = f" (and {len(unsupported) - 20} more)" if len(unsupported) > 20 else ""
         raise UnsupportedValueError(
-            f"PRNG key leaves cannot be safetensors: {', '.join(keys)}; drop them in the name map "
-            "or pass skip_unsupported=True"
+            f"these leaves cannot be safetensors: {', '.join(listed)}{more}; " + SKIP_HINT
         )
-    for name in keys:
-        log.warning("export: skipping %s (a PRNG key; safetensors cannot hold it)", name)
+    for name, why in unsupported.items():
+        log.warning("export: skipping %s (%s; safetensors cannot hold it)", escape(name), why)
     planned: list[Planned] = []
     done = [0]
     for placed in placements:
-        if placed.leaf in keys:
+        if placed.leaf in unsupported:
             continue
         spec = specs[placed.leaf]
-        dtype = np.dtype(spec.dtype)
-        dtype = cast if cast is not None and is_float(dtype) else dtype
+        dtype = out_dtype(np.dtype(spec.dtype), cast)
         shape = file_shape(placed, spec.shape, spec.dtype)
         for i, name in enumerate(placed.names):
 
@@ -141,7 +205,7 @@ def plan(placements, specs, keys, cast, limit, skip_unsupported, get, progress=N
 
             planned.append(Planned(name, dtype, shape, produce))
     total = sum(t.nbytes for t in planned)
-    return pack(planned, limit), keys
+    return pack(planned, limit), list(unsupported)
 
 
 def pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:

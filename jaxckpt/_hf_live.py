@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,8 @@ def save_safetensors(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     skip_unsupported: bool = True,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
 ) -> _hf_files.ExportResult:
     """Writes a live (sharded) state as HF safetensors from inside a training job.
 
@@ -59,6 +61,7 @@ def save_safetensors(
     flat = tree_util.tree_flatten_with_path(state)[0]
     # Arrays as given, Python scalars as NumPy arrays: each with a shape and a dtype.
     leaves = {leaf_name(p): x if hasattr(x, "dtype") else np.asarray(x) for p, x in flat}
+    leaves = _hf_files.select(leaves, include, exclude)
     placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
     prng_key = jax.dtypes.prng_key
     keys = [p.leaf for p in placements if jax.dtypes.issubdtype(leaves[p.leaf].dtype, prng_key)]
@@ -72,7 +75,10 @@ def save_safetensors(
         return host[name]
 
     # Produced only on object storage: locally each process writes its shards by region.
-    files, skipped = _hf_files.plan(placements, leaves, keys, cast, limit, skip_unsupported, get)
+    unsupported = _hf_files.cannot_hold(placements, leaves, keys, cast)
+    files, skipped = _hf_files.plan(
+        placements, leaves, unsupported, cast, limit, skip_unsupported, get
+    )
     if remote:
         _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
         return _hf_files.exported(out_dir, None, files, skipped)

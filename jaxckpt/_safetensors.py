@@ -47,6 +47,7 @@ DTYPES: dict[str, np.dtype] = {
     "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "C64": np.dtype(np.complex64),  # two float32s, real then imaginary; no C128 exists
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
@@ -304,7 +305,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 _U64 = 2**64 - 1
 _FIELDS = ("dtype", "shape", "data_offsets")
 # dtypes safetensors knows that jaxckpt does not load (named in errors: they are not corrupt).
-OTHER_DTYPES = ("F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64")
+OTHER_DTYPES = ("F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 
 
 def _entry(path: Path, name: str, value: object) -> tuple[np.dtype, list[int], int, int]:

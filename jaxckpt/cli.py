@@ -7,6 +7,7 @@
     jaxckpt plan DIR --mesh 2x4 [--hosts 2]          restore dry-run onto another mesh
     jaxckpt verify DIR [--step N]                    checksums of every file
     jaxckpt export DIR OUT [--names MAP.yaml]        Hugging Face safetensors
+                   [--include RE] [--exclude RE]     (only some leaves)
     jaxckpt rm DIR STEP [--force]                    delete a step, as the directory's writer
 
 Everything reads metadata (and, for `verify`, `diff --values` and `export`, the data) on the
@@ -14,7 +15,8 @@ host: JAX runs on CPU devices, never an accelerator; only `rm` writes (under the
 lock). `--json` prints one JSON document, an error included. Progress bars go to stderr on
 a terminal only (never with `-q/--quiet` or in logs). Bad input is one line on stderr,
 `jaxckpt: error: ...`, and exit status 2 for a usage error, 1 for any other: never a
-traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble.
+traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble. Names, paths and strings
+read from a checkpoint are printed with control characters escaped (`jaxckpt._escape`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import click
 
+from jaxckpt._escape import Formatter, escape, escape_markup
 from jaxckpt._storage import is_remote
 from jaxckpt.errors import ConfigError, CorruptCheckpointError, JaxckptError, NoCheckpointError
 
@@ -56,6 +59,11 @@ CLI_WORDS = (
     (
         "Restore another step, or pass fallback=True to restore the newest step that verifies.",
         "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify.",
+    ),
+    # UnsupportedValueError (jaxckpt._hf_files.SKIP_HINT)
+    (
+        "leave them out with exclude=, drop them in the name map, or pass skip_unsupported=True",
+        "leave them out with --exclude, drop them in the name map, or omit --no-skip-unsupported",
     ),
     # LockedError (jaxckpt._lock)
     (
@@ -89,7 +97,7 @@ class _Group(click.Group):
         except click.ClickException as e:
             code = _fail(e.format_message(), e, trouble, as_json)
         except click.exceptions.Abort:
-            click.echo("jaxckpt: aborted", err=True)
+            _say("jaxckpt: aborted", err=True)
             code = 130
         except (JaxckptError, OSError) as e:
             message = str(e)
@@ -103,8 +111,14 @@ def _fail(message: str, error: BaseException, code: int, as_json: bool) -> int:
     if as_json:
         click.echo(json.dumps({"error": message, "type": type(error).__name__}))
     else:
-        click.echo(f"jaxckpt: error: {message}", err=True)
+        _say(f"jaxckpt: error: {message}", err=True)  # one line: a newline in it escaped
     return code
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Prints a line that may hold names, paths, meta or an error, control and bidi
+    characters escaped: no terminal escape, no newline forging a line (JSON escapes --json)."""
+    click.echo(escape(text), err=err)
 
 
 def _set_quiet(ctx: click.Context, _param, quiet: bool) -> None:
@@ -134,9 +148,11 @@ def main(ctx: click.Context) -> None:
     obj = ctx.ensure_object(dict)
     obj.setdefault("quiet", False)
     # (Orbax's absl logging installs a default handler on import: replaced when ours.)
+    handler = logging.StreamHandler()
+    handler.setFormatter(Formatter("%(message)s"))  # notes escaped, as all output is
     logging.basicConfig(
         level=logging.ERROR if obj["quiet"] else logging.WARNING,
-        format="%(message)s",
+        handlers=[handler],
         force=obj.get("own_logging", False),
     )
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -221,9 +237,10 @@ def _du(path) -> tuple[int, int]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    for row in [header, *rows]:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    rows = [[escape(c) for c in row] for row in [header, *rows]]  # widths as printed
+    widths = [max(len(c) for c in col) for col in zip(*rows, strict=True)]
+    for row in rows:
+        _say("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _json(doc: Any) -> None:
@@ -252,10 +269,19 @@ def _progress(description: str) -> Iterator:
 
         def update(key, done: int, total: int) -> None:
             if key not in tasks:
-                tasks[key] = bars.add_task(description.format(key=key), total=total)
+                text = escape_markup(description.format(key=key))  # rich reads markup
+                tasks[key] = bars.add_task(text, total=total)
             bars.update(tasks[key], completed=done, total=total)
 
         yield update
+
+
+def _regex(pattern: str) -> re.Pattern:
+    """A leaf-name regex (inspect --filter, export --include/--exclude); a usage error."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
 
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
@@ -353,7 +379,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
         return
     _warn_unreadable(listing)
     if not rows:
-        click.echo(f"{checkpoint_dir}: no steps")
+        _say(f"{checkpoint_dir}: no steps")
         return
     _table(
         ["", "step", "saved at (UTC)", "size", "files", "leaves", "status"],
@@ -380,7 +406,7 @@ def _unreadable(listing) -> list[dict]:
 def _warn_unreadable(listing) -> None:
     """The step-like folders no one can read, and why, on stderr (ls and verify)."""
     for name, why in sorted(listing.unreadable.items()):
-        click.echo(f"{name}: not a step jaxckpt can read: {why}", err=True)
+        _say(f"{name}: not a step jaxckpt can read: {why}", err=True)
 
 
 def _pytree_items(listing, step: int) -> list[str | None]:
@@ -407,7 +433,9 @@ ITEM_OPTION = click.option(
 @DIR
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
 @ITEM_OPTION
-@click.option("--filter", "pattern", help="Only leaves whose name matches this regex.")
+@click.option(
+    "--filter", "patterns", metavar="REGEX", multiple=True, help="Only leaves whose name matches."
+)
 @click.option(
     "--data",
     "show_data",
@@ -415,19 +443,16 @@ ITEM_OPTION = click.option(
     help="Each process's saved data-iterator state, instead of the leaves.",
 )
 @JSON_OPTION
-def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
+def inspect(checkpoint_dir, step, item, patterns, show_data, as_json):
     """The leaves of a step: path, shape, dtype, saved sharding, bytes; or with --data each
     process's data-iterator state. Reads metadata only (small JSON files)."""
     _cpu()
-    try:
-        wanted = re.compile(pattern) if pattern is not None else None
-    except re.error as e:
-        raise click.BadParameter(f"{pattern!r} is not a regular expression: {e}") from None
+    wanted = [_regex(p) for p in patterns]  # repeated: a leaf any of them matches
     from jaxckpt import _layout
     from jaxckpt._plan import size_text
 
     path, info, which = _info(checkpoint_dir, step, item)
-    specs = [s for s in info.leaves(which) if wanted is None or wanted.search(s.name)]
+    specs = [s for s in info.leaves(which) if not wanted or any(r.search(s.name) for r in wanted)]
     total = sum(s.nbytes for s in specs)
     states = _layout.read_data_states(path, info) if show_data else None
     if as_json:
@@ -448,30 +473,30 @@ def inspect(checkpoint_dir, step, item, pattern, show_data, as_json):
         return
     if info.orbax:
         items = ", ".join(f"{n} ({k})" for n, k in sorted(info.orbax.items.items()))
-        click.echo(
+        _say(
             f"step {info.step} of {checkpoint_dir}, written by plain Orbax (no manifest: not "
             f"checksummed); items: {items}; the leaves of {info.item}:"
         )
     else:
-        click.echo(
+        _say(
             f"step {info.step} of {checkpoint_dir}, saved {(info.saved_at or '?')[:19]} by "
             f"{info.process_count or '?'} process(es), jax {info.versions.get('jax', '?')}"
         )
     if states is not None:
         if not states:
-            click.echo("no data-iterator state: the step was saved without a data iterator")
+            _say("no data-iterator state: the step was saved without a data iterator")
         for s in states:
-            click.echo(f"process {s['process']} of {s['processes']}: {json.dumps(s['state'])}")
+            _say(f"process {s['process']} of {s['processes']}: {json.dumps(s['state'])}")
         return
     if info.data:
-        click.echo("data-iterator state: saved by each process (show it with --data)")
+        _say("data-iterator state: saved by each process (show it with --data)")
     if info.meta is not None:
-        click.echo(f"meta: {json.dumps(info.meta)[:200]}")
+        _say(f"meta: {json.dumps(info.meta)[:200]}")
     _table(
         ["leaf", "shape", "dtype", "saved sharding", "bytes"],
         [[s.name, str(tuple(s.shape)), s.dtype, s.layout, f"{s.nbytes:,}"] for s in specs],
     )
-    click.echo(f"{len(specs)} leaves, {total:,} bytes ({size_text(total)})")
+    _say(f"{len(specs)} leaves, {total:,} bytes ({size_text(total)})")
 
 
 @main.command()
@@ -537,18 +562,18 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
             }
         )
     else:
-        click.echo(
+        _say(
             f"a: {first} step {found.steps[0]}; b: {dir_b} step {found.steps[1]} ({item}, "
             f"{len(a)} and {len(b)} leaves)"
         )
         for name in found.added:
-            click.echo(f"  added    {name}  {describe(b[name])}")
+            _say(f"  added    {name}  {describe(b[name])}")
         for name in found.removed:
-            click.echo(f"  removed  {name}  {describe(a[name])}")
+            _say(f"  removed  {name}  {describe(a[name])}")
         for name in found.changed:
-            click.echo(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
+            _say(f"  changed  {name}  {describe(a[name])} -> {describe(b[name])}")
         for name, d in differing.items():
-            click.echo(f"  values   {name}  max |a - b| = {d:.6g}")
+            _say(f"  values   {name}  max |a - b| = {d:.6g}")
         added, removed, changed = len(found.added), len(found.removed), len(found.changed)
         summary = f"{added} added, {removed} removed, {changed} changed in shape/dtype"
         if values:
@@ -557,7 +582,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
                 f", {len(differing)} of {len(found.max_abs_diff)} differ in value "
                 f"(largest |a - b|: {largest:.6g})"
             )
-        click.echo(summary)
+        _say(summary)
     if found.different:
         click.get_current_context().exit(1)
 
@@ -634,10 +659,11 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
             }
         )
         return
-    click.echo(f"onto mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())}, {hosts} host(s)")
-    click.echo(str(result))
+    _say(f"onto mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())}, {hosts} host(s)")
+    for line in str(result).splitlines():
+        _say(line)
     if replicated:
-        click.echo(
+        _say(
             f"{len(replicated)} leaves planned replicated (their saved spec does not fit "
             f"this mesh): {', '.join(replicated[:5])}{' ...' if len(replicated) > 5 else ''}"
         )
@@ -657,6 +683,22 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
 @click.option(
     "--names", type=click.Path(dir_okay=False, exists=True), help="Name map YAML (configs/hf/)."
 )
+@click.option(
+    "--include",
+    metavar="REGEX",
+    multiple=True,
+    help="Only leaves whose name matches (as inspect --filter; repeated: any).",
+)
+@click.option(
+    "--exclude", metavar="REGEX", multiple=True, help="Leave out leaves whose name matches."
+)
+@click.option(
+    "--skip-unsupported/--no-skip-unsupported",
+    default=True,
+    show_default=True,
+    help="Skip leaves safetensors cannot hold (PRNG keys, int4, complex128...), each named "
+    "on stderr; or refuse them.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT.")
 @click.option(
     "--item", help="Of a step plain Orbax wrote, its pytree item (default: its only one)."
@@ -670,41 +712,35 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
     help="orbax: the state tree as a plain Orbax checkpoint (ocp.StandardCheckpointer's).",
 )
 @JSON_OPTION
-def export(
-    checkpoint_dir, out_dir, step, dtype, max_shard_size, names, overwrite, item, kind, as_json
-):
+def export(checkpoint_dir, out_dir, kind, as_json, **options):
     """Export a checkpoint's state to Hugging Face-style sharded safetensors, or to a plain
     Orbax checkpoint (--format orbax)."""
     _cpu()
     from jaxckpt import export_orbax, export_safetensors
 
+    for pattern in (*options["include"], *options["exclude"]):
+        _regex(pattern)
     _need_dir(checkpoint_dir)
     if kind == "orbax":
-        given = {"--names": names, "--dtype": dtype}
-        if unused := [flag for flag, value in given.items() if value is not None]:
+        unused = [f"--{k}" for k in ("names", "dtype", "include", "exclude") if options[k]]
+        unused += [] if options["skip_unsupported"] else ["--no-skip-unsupported"]
+        if unused:
             raise click.BadParameter(f"{', '.join(unused)}: only with --format safetensors")
-        exported = export_orbax(checkpoint_dir, out_dir, step=step, overwrite=overwrite, item=item)
+        keep = ("step", "overwrite", "item")
+        exported = export_orbax(checkpoint_dir, out_dir, **{k: options[k] for k in keep})
         if as_json:
             _json({"step": exported, "out_dir": str(out_dir), "format": "orbax"})
         else:
-            click.echo(f"exported step {exported} as a plain Orbax checkpoint to {out_dir}")
+            _say(f"exported step {exported} as a plain Orbax checkpoint to {out_dir}")
         return
     with _progress("export") as update:
         result = export_safetensors(
-            checkpoint_dir,
-            out_dir,
-            step=step,
-            names=names,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            progress=lambda done, total: update("export", done, total),
-            item=item,
+            checkpoint_dir, out_dir, progress=lambda d, t: update("export", d, t), **options
         )
     if as_json:
         _json(dict(dataclasses.asdict(result), out_dir=str(result.out_dir)))
         return
-    click.echo(
+    _say(
         f"exported step {result.step}: {result.tensors} tensors, {result.total_size:,} bytes "
         f"in {len(result.files)} file(s) to {result.out_dir}"
     )
@@ -754,19 +790,19 @@ def verify(checkpoint_dir, step, as_json) -> None:
         _warn_unreadable(listing)
         for r in reports:
             if r.ok and not r.checksummed:
-                click.echo(
+                _say(
                     f"step {r.step}: readable, NOT checksummed (plain Orbax wrote it: no "
                     f"manifest; its {r.files} arrays, {r.bytes:,} bytes, were read whole)"
                 )
             elif r.ok:
                 size, files = sizes[r.step]
-                click.echo(f"step {r.step}: ok ({files} files, {size:,} bytes)")
+                _say(f"step {r.step}: ok ({files} files, {size:,} bytes)")
             else:
-                click.echo(f"step {r.step}: CORRUPT")
+                _say(f"step {r.step}: CORRUPT")
                 for problem in r.problems:
-                    click.echo(f"  {problem}")
+                    _say(f"  {problem}")
     if bad:
-        click.echo(
+        _say(
             f"jaxckpt: error: {len(bad)} of {len(reports)} steps failed verification: {bad}",
             err=True,
         )
@@ -817,4 +853,4 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
         _json({"directory": checkpoint_dir, "deleted": step, "steps": left})
         return
     rest = ", ".join(map(str, left)) or "none"
-    click.echo(f"deleted step {step} from {checkpoint_dir}; committed steps: {rest}")
+    _say(f"deleted step {step} from {checkpoint_dir}; committed steps: {rest}")

@@ -191,7 +191,7 @@ def corrupt(ckpt, tmp_path_factory):
     return directory
 
 
-def test_messages_name_cli_flags_not_python_arguments(ckpt, corrupt, tmp_path):
+def test_messages_name_cli_flags_not_python_arguments(ckpt, corrupt, keyed, tmp_path):
     """Each library hint that names a Python argument reads as the CLI's flag or action."""
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("taken")
@@ -202,6 +202,10 @@ def test_messages_name_cli_flags_not_python_arguments(ckpt, corrupt, tmp_path):
         ),
         ("export", corrupt, tmp_path / "hf"): (
             "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify."
+        ),
+        ("export", keyed, tmp_path / "hf", "--no-skip-unsupported"): (
+            "leave them out with --exclude, drop them in the name map, or omit "
+            "--no-skip-unsupported"
         ),
     }
     for args, hint in cases.items():
@@ -222,6 +226,9 @@ def test_the_library_keeps_its_python_hints(ckpt, corrupt, tmp_path):
         lambda: jaxckpt.export_safetensors(ckpt, tmp_path / "out"),
         lambda: reader.restore(7),
         lambda: jaxckpt.CheckpointManager(corrupt, read_only=True).restore(),
+        lambda: jaxckpt.save_safetensors(
+            {"key": jax.random.key(0)}, tmp_path / "hf", skip_unsupported=False
+        ),
     ]
     messages = []
     with jaxckpt.CheckpointManager(tmp_path / "locked"):
