@@ -15,12 +15,22 @@ or the whole leaf where this process holds all of it. A reader takes the pieces 
 overlap what its devices need, from any process's file: a step restores onto any mesh and
 process count, as Orbax's arrays do. Files are written in the save's background, inside
 the step's temporary folder, so Orbax's commit and jaxckpt's manifest cover them.
+
+A reader trusts no claim of an index until it is checked against the index itself and the
+files' real sizes, before it allocates or reads anything of a leaf's size (an index may
+claim TiBs for a file of KiBs, and `diff` reads without verifying the manifest first):
+each piece lies within its file, which holds at least the bytes its index claims; no two
+pieces of a file share a byte; and a leaf's pieces are each one cell of the grid their
+bounds cut, no cell twice, with the leaf's volume together: they hold each element once.
+So a leaf's bytes are at most its files' real bytes. All of it costs O(pieces log pieces).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -236,6 +246,8 @@ class PackedStep:
         self.folder = folder
         self.processes = processes
         self._partial = parts is not None
+        self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
+        self._sized: set[int] = set()  # the processes whose file was found that long
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
         present = {p.name for p in folder.iterdir()} if folder.exists() else set()
         indexed = False
@@ -261,18 +273,25 @@ class PackedStep:
             and isinstance(doc.get("leaves"), dict)
         ):
             raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
+        self._sizes[process] = doc["bytes"]
+        spans: list[tuple[int, int]] = []  # the bytes of each piece in the file
         for item, leaves in doc["leaves"].items():
             if not isinstance(leaves, dict):
                 raise ValueError(f"{where}: item {item!r} is not an object of leaves")
             known = self._leaves.setdefault(item, {})
             for name, entry in leaves.items():
                 dtype, shape, pieces = _entry(entry, process, doc["bytes"], f"{where}: {name!r}")
+                spans.extend((p.offset, p.nbytes) for p in pieces if p.nbytes)
                 if name in known:
                     if known[name][:2] != (dtype, shape):
                         raise ValueError(f"{where}: {name!r} differs from another process's")
                     known[name][2].extend(pieces)
                 else:
                     known[name] = (dtype, shape, pieces)
+        spans.sort()
+        for (start, nbytes), (after, _) in itertools.pairwise(spans):
+            if after < start + nbytes:  # one byte read as two elements: a leaf of copies
+                raise ValueError(f"{where}: two pieces overlap at byte {after} of the file")
 
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
@@ -289,7 +308,7 @@ class PackedStep:
         """Why these files cannot serve `requests` (None: they can), reading no leaf."""
         try:
             self._wanted(item, requests)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             return str(e)
         return None
 
@@ -297,6 +316,7 @@ class PackedStep:
         """The pieces to read for each requested leaf; ValueError if they cannot fill it."""
         leaves = self._leaves.get(item, {})
         wanted: dict[str, list[_Piece]] = {}
+        files: set[int] = set()
         for name, request in requests.items():
             if name not in leaves:
                 raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
@@ -313,7 +333,27 @@ class PackedStep:
             else:
                 _check_tiling(item, name, shape, pieces)
             wanted[name] = [p for p in pieces if regions is None or _overlaps(p, regions)]
+            files.update(p.process for p in pieces)  # a leaf is allocated whole: all of them
+        self._check_sizes(files - self._sized)
         return wanted
+
+    def _check_sizes(self, processes: Iterable[int]) -> None:
+        """Each of these processes' files must hold the bytes its index claims (a file
+        opened once a step, not read; ValueError otherwise): then no piece reaches past
+        the file's real end, and a leaf's pieces, sharing no byte, hold at most its bytes."""
+        for process in sorted(processes):
+            rel = file_names(process, self.processes)[0]
+            try:
+                with open_inside(self.folder, rel) as f:
+                    real = f.seek(0, os.SEEK_END)
+            except FileNotFoundError:
+                raise ValueError(f"{PACKED}/{rel} is missing") from None
+            if real < self._sizes[process]:
+                raise ValueError(
+                    f"{PACKED}/{rel} holds {real} bytes, fewer than the "
+                    f"{self._sizes[process]} its index places pieces in"
+                )
+            self._sized.add(process)
 
     def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
         """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
@@ -409,20 +449,32 @@ def _dtype(name: str) -> np.dtype | None:
 
 def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Piece]) -> None:
     """The pieces of a leaf must hold each of its elements once: none missing (a process's
-    files lost), none twice (an index that is not what jaxckpt writes)."""
+    files lost), none twice (an index that is not what jaxckpt writes). Checked on their
+    bounds alone, never with an array of the leaf's shape (an index may claim any): the
+    pieces jaxckpt writes are the distinct shards of one sharding, a grid, so each must be
+    one cell of the grid that the pieces' starts cut (from its start to the next cut on
+    every axis), none the same as another; then they are disjoint, and hold every element
+    once if their volume is the leaf's. (Pieces holding no element are left out.)"""
     size = math.prod(shape)
-    covered = sum(math.prod(b - a for a, b in p.bounds) for p in pieces)
-    if covered == size and len(pieces) <= 1:
-        return  # one piece within bounds holding every element is the whole leaf
-    if covered == size:
-        count = np.zeros(shape, np.uint8)
-        for p in pieces:
-            count[tuple(slice(a, b) for a, b in p.bounds)] += 1
-        covered = int(np.count_nonzero(count == 1))
-    if covered != size:
+    boxes = [p.bounds for p in pieces if all(a < b for a, b in p.bounds)]
+    held = sum(math.prod(b - a for a, b in box) for box in boxes)
+    if held != size:
         raise ValueError(
-            f"{PACKED}/: the pieces of {item} leaf {name!r} hold {covered} of its "
-            f"{size} elements once (a process's files are missing or damaged)"
+            f"{PACKED}/: the pieces of {item} leaf {name!r} hold {held} of its {size} "
+            "elements (a process's files are missing or damaged)"
+        )
+    if len(boxes) <= 1:
+        return  # one piece within bounds holding every element is the whole leaf
+    cuts = [sorted({box[axis][0] for box in boxes} | {n}) for axis, n in enumerate(shape)]
+    cells = all(
+        axis[bisect.bisect_left(axis, a) + 1] == b  # a is a cut, before n: the next is there
+        for box in boxes
+        for (a, b), axis in zip(box, cuts, strict=True)
+    )
+    if not cells or len(set(boxes)) != len(boxes):
+        raise ValueError(
+            f"{PACKED}/: the pieces of {item} leaf {name!r} overlap, or are not the shards "
+            "of one sharding (not what jaxckpt writes)"
         )
 
 
