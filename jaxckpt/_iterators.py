@@ -9,7 +9,10 @@ save records a description of the iterator (`describe`):
 * `state`: the fields of its state (the keys of the JSON object);
 * `config`: for a grain `DataLoaderIterator`, the fields of its state that are its
   configuration and that grain itself checks on `set_state`, after every array was read
-  (`sampler`, with its seed, `data_source`, `worker_count`);
+  (`sampler`, with its seed, `data_source`, `worker_count`). grain records a source by its
+  `repr`: one without a `__repr__` of its own is `<Source object at 0x...>`, whose address
+  means nothing in another process, so it is compared by its class alone (and grain is
+  handed the state with this process's address, `with_own_addresses`);
 * `pipeline`: for grain, each transformation of the pipeline as grain describes it
   (`BatchMapDataset(batch_size=32, drop_remainder=False)`, a DataLoader's operations),
   without what does not change the data: prefetching nodes, memory addresses, the source
@@ -63,7 +66,7 @@ def describe(data: Any, state: Any = None) -> dict[str, Any]:
     if isinstance(state, dict):
         about["state"] = sorted(str(k) for k in state)
         if all(k in state for k in LOADER_CONFIG):
-            about["config"] = {k: _text(state[k]) for k in LOADER_CONFIG}
+            about["config"] = {k: _text(_unaddressed(state[k])) for k in LOADER_CONFIG}
     if pipeline := _pipeline(data):
         about["pipeline"] = pipeline
     return about
@@ -79,8 +82,9 @@ def differences(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
         lines.append(f"state fields: {saved['state']} were saved, {given['state']} are given")
     saved_config, given_config = saved.get("config") or {}, given.get("config") or {}
     for key in sorted(saved_config.keys() & given_config.keys()):
-        if saved_config[key] != given_config[key]:
-            lines.append(f"{key}: {saved_config[key]} was saved, {given_config[key]} is given")
+        a, b = _unaddressed(saved_config[key]), _unaddressed(given_config[key])  # older saves'
+        if a != b:
+            lines.append(f"{key}: {a} was saved, {b} is given")
     if "pipeline" in saved and "pipeline" in given and saved["pipeline"] != given["pipeline"]:
         a, b = saved["pipeline"], given["pipeline"]
         if len(a) != len(b):
@@ -94,6 +98,30 @@ def differences(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
             if len(changed) > 3:
                 lines.append(f"pipeline: and {len(changed) - 3} more steps differ")
     return lines
+
+
+def with_own_addresses(saved: bytes, data: Any) -> bytes:
+    """A grain DataLoader's saved state, its configuration's memory addresses replaced by
+    those `data` (the DataLoaderIterator it goes into) has now where they alone differ:
+    grain compares its source's `repr`, `<Source object at 0x...>` without a `__repr__`,
+    and refused every restore in another process. Any other state is returned as it is."""
+    try:
+        state, own = json.loads(saved), json.loads(data.get_state())
+    except Exception:  # not a DataLoader's JSON: grain's set_state judges it
+        return saved
+    if not (isinstance(state, dict) and isinstance(own, dict)):
+        return saved
+    changed = False
+    for key in LOADER_CONFIG:
+        a, b = state.get(key), own.get(key)
+        if isinstance(a, str) and isinstance(b, str) and a != b:
+            if _unaddressed(a) == _unaddressed(b):
+                state[key], changed = b, True
+    return json.dumps(state, indent=4).encode("utf-8") if changed else saved
+
+
+def _unaddressed(value: Any) -> Any:
+    return _ADDRESS.sub("", value) if isinstance(value, str) else value
 
 
 def _pipeline(data: Any) -> list[str]:

@@ -768,6 +768,13 @@ class CheckpointManager:
             )
         if not info.rng and rng is not None:
             raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
+        if info.data is not None and wanted.data is None:
+            log.warning(
+                "restore: step %d holds each process's data-iterator state, which is not "
+                "restored without data=: pass data= an iterator built like the saved one to "
+                "go on with the data where the run stopped",
+                step,
+            )
         trees = {}
         for item, target, home, partial in self._items(info, wanted):
             requests, rebuild = self._plan_item(info, item, target, home, partial)
@@ -937,7 +944,7 @@ def _restore_data(data: Any, info: _layout.StepInfo, directory: epath.Path) -> N
 
         as_json = isinstance(data, grain.DatasetIterator)
     try:
-        saved = json.loads(text) if as_json else text.encode("utf-8")
+        saved = json.loads(text) if as_json else _iterators.with_own_addresses(text.encode(), data)
     except (ValueError, RecursionError):
         raise CorruptCheckpointError(
             step,

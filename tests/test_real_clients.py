@@ -426,6 +426,53 @@ def test_a_dataloader_state_into_a_dataset_iterator_or_another_seed_is_refused_f
     m.close()
 
 
+class Records:
+    """A grain data source without a `__repr__` of its own: grain records it by `repr`,
+    `<test_real_clients.Records object at 0x...>`."""
+
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.int64(i * 10)
+
+
+class OtherRecords(Records):
+    pass
+
+
+def loader_over(source):
+    sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=3, num_epochs=1)
+    return iter(
+        grain.DataLoader(data_source=source, sampler=sampler, operations=[], worker_count=0)
+    )
+
+
+def test_a_dataloader_over_a_source_without_repr_resumes(ckpt_dir, caplog):
+    """Its address differs in every process, which jaxckpt compared (the docs say it does
+    not) and grain's own `set_state` refused: no restore ever worked, data_mismatch_ok=True
+    included. Its class is still compared."""
+    data, straight = loader_over(Records()), loader_over(Records())
+    for _ in range(5):
+        next(data), next(straight)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state={"w": np.ones(2, np.float32)}, data=data)
+    target = {"w": np.zeros(2, np.float32)}
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        resumed = m.restore(state=target, data=loader_over(Records())).data
+        assert [int(next(resumed)) for _ in range(10)] == [int(next(straight)) for _ in range(10)]
+        with pytest.raises(
+            errors.DataStateError, match=r"data_source: <test_real_clients\.Records object> was"
+        ):
+            m.restore(state=target, data=loader_over(OtherRecords()))
+        with caplog.at_level("WARNING", logger="jaxckpt"):
+            m.restore(state=target)
+    assert "step 1 holds each process's data-iterator state, which is not restored" in caplog.text
+
+
 def test_each_process_checks_its_own_pipeline_and_all_agree(tmp_path):
     """Two processes, each reading its shard of the data (`ds[process::2]`): each checks
     its own iterator against its own record, and when one refuses, both do (no process
