@@ -422,6 +422,15 @@ def plan_restore(
     """
     home = replicated_sharding(target) or home
     pairs, treedef = tree_util.tree_flatten_with_path(target)
+    if not pairs and saved:
+        raise TreeMismatchError(
+            f"the {item} target holds no arrays (every leaf of it is None, or it is empty), "
+            f"so nothing of the {len(saved)} leaves saved at step {step} can be restored into "
+            "it. Pass a tree whose leaves are jax.ShapeDtypeStruct with a sharding (or live "
+            "arrays). With Equinox, eqx.is_array is False for a ShapeDtypeStruct: partition "
+            "eqx.filter_eval_shape(...) by `lambda x: isinstance(x, jax.ShapeDtypeStruct)`, "
+            "not by eqx.is_array (docs: 'Equinox and Levanter-style trainers')."
+        )
     by_name = {s.name: s for s in saved}
     target_leaves: dict[str, tuple[tuple, Any]] = {}  # name: (key path, leaf)
     for path, leaf in pairs:

@@ -71,3 +71,23 @@ def test_the_flax_nnx_tutorial_resumes_bitwise_after_a_preemption(tmp_path):
     b = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert [r["step"] for r in b] == list(range(1, 21))
     assert a == b
+
+
+def test_readme_equinox_recipe_resumes_bitwise_in_a_new_process(tmp_path):
+    """README, "Equinox and Levanter-style trainers": the script runs as printed; run twice
+    (5 steps, then 5 more from the step it saved, each a new process) it gives the losses of
+    one run of 10 steps, bit for bit."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Equinox and Levanter-style trainers") :]
+    script = section[section.index("```python\n") + 10 : section.index("```\n")]
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+    def run(directory, steps=5):
+        text = script.replace('"/ckpt/equinox"', repr(str(directory)))
+        text = text.replace("STEPS = 5 ", f"STEPS = {steps} ")
+        return [line for line in run_python("-c", text, env=env).stdout.splitlines()]
+
+    resumed = run(tmp_path / "a") + run(tmp_path / "a")
+    straight = run(tmp_path / "b", steps=10)
+    assert [line.split()[1] for line in resumed] == [str(s) for s in range(1, 11)]
+    assert resumed == straight

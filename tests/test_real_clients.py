@@ -426,6 +426,27 @@ def test_a_dataloader_state_into_a_dataset_iterator_or_another_seed_is_refused_f
     m.close()
 
 
+def test_an_equinox_target_partitioned_by_is_array_is_named_as_holding_no_array(ckpt_dir):
+    """`eqx.is_array` is False for a ShapeDtypeStruct: partitioning `eqx.filter_eval_shape`
+    by it gives an all-None target, which listed every saved leaf as missing."""
+    import equinox as eqx
+
+    def make(key):
+        return eqx.nn.MLP(in_size=4, out_size=2, width_size=8, depth=1, key=key)
+
+    params, _ = eqx.partition(make(jax.random.key(0)), eqx.is_array)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=params)
+    target, _ = eqx.partition(eqx.filter_eval_shape(make, jax.random.key(0)), eqx.is_array)
+    with (
+        jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m,
+        pytest.raises(errors.TreeMismatchError, match=r"the state target holds no arrays.*") as e,
+    ):
+        m.restore(state=target)
+    assert "eqx.is_array is False for a ShapeDtypeStruct" in str(e.value)
+    assert "layers.0.weight" not in str(e.value)
+
+
 class Records:
     """A grain data source without a `__repr__` of its own: grain records it by `repr`,
     `<test_real_clients.Records object at 0x...>`."""
