@@ -1,6 +1,7 @@
 """Test set-up: 8 CPU devices, before anything touches a device."""
 
 import os
+import signal
 from pathlib import Path
 
 import jax
@@ -11,6 +12,12 @@ from reliability import gcs, launch
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
+# The dispositions the preemption tests (and their children, which inherit them) rely on,
+# whatever this process inherited: a job started in the background of a non-interactive
+# shell ignores SIGINT (Python then installs no KeyboardInterrupt), and a runner may ignore
+# SIGTERM; a handler ignored before the manager's stays ignored after it, as it should.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["old_orbax"]  # run by an old Orbax's own Python (tests/test_from_orbax.py)
