@@ -458,6 +458,31 @@ def test_export_format_orbax_is_read_by_plain_orbax(jaxckpt_step, tmp_path, mesh
         assert m.all_steps() == [0]
 
 
+def test_the_way_back_to_plain_orbax_after_switching(tmp_path, mesh):
+    """README, "Going back after switching": the old loop's restore(latest_step()) lands on
+    jaxckpt's step and fails; the step exported as a plain Orbax step of a new directory is
+    what the old loop restores."""
+    directory = single_item(tmp_path / "run", train_state(mesh))
+    with jaxckpt.CheckpointManager(directory) as m:
+        m.save(STEP + 1, state=m.restore(state=target_on(mesh, P("data", "model"))).state)
+    with ocp.CheckpointManager(directory) as m:
+        assert m.latest_step() == STEP + 1
+        with pytest.raises(Exception, match="jaxckpt/metadata not found|packed"):
+            m.restore(m.latest_step())
+    back = tmp_path / "run-orbax"
+    result = cli("export", directory, back / str(STEP + 1) / "default", "--format", "orbax")
+    assert result.exit_code == 0, result.output
+    target = target_on(mesh, P("data", "model"))
+    target["opt_state"] = [target["opt_state"][0]._asdict()]  # no optax node types in it
+    with ocp.CheckpointManager(back) as m:
+        assert m.latest_step() == STEP + 1
+        restored = m.restore(m.latest_step(), args=ocp.args.StandardRestore(target))
+    np.testing.assert_array_equal(
+        np.asarray(restored["params"]["params"]["dense"]["kernel"]), KERNEL
+    )
+    assert int(restored["step"]) == STEP
+
+
 def test_export_orbax_with_a_target_keeps_its_node_types(jaxckpt_step, tmp_path, mesh):
     out = tmp_path / "as-orbax"
     target = target_on(mesh, P("model", "data"))
