@@ -13,10 +13,17 @@ part, in the directory that process was given:
                       data/process_<i>-of-<n>.json, data/iterator_<i>-of-<n>.json
 
 A process writes it into `<step>.jaxckpt-tmp`, fsyncs every file, and renames it into place:
-atomic per process. A step is complete when every process's part is there, which the
-processes agree on (a collective) before restoring it; a part whose files do not match its
-manifest does not count. Each process reads only its own directory: on a pod another
-process's directory is another machine's disk.
+atomic per process; then its copies go to its peers in the background (`jaxckpt._peers`,
+which owns `replicas/`). A step is complete when every process's part is there, its own or a
+copy, which the processes agree on (a collective) before restoring it; a part whose files do
+not match its manifest does not count. Each process reads only its own directory: on a pod
+another process's directory is another machine's disk.
+
+`wait()` returns once the newest local step is written and its copies are settled: every
+holder answered this process's copy, and every owner whose copies it keeps put its own, or
+`LocalTier.copy_timeout_s` passed (the late peers logged: the step stands on the owner's
+own part). A save never waits for a copy. A directory that cannot be read holds no step
+(logged): the persistent tier serves.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxckpt import _integrity, _layout, _orbax, _packed, _peers
+from jaxckpt._peers import discard as _discard
 from jaxckpt._storage import absolute, is_remote, open_inside
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ConfigError
@@ -64,6 +74,10 @@ class LocalTier:
         them at restore. 0 keeps no copies.
       address: the address peers reach this process at for those copies (None: this
         host's address towards JAX's coordinator, `jax.distributed`'s).
+      copy_timeout_s: how long a peer may leave a copy unanswered: a copy whose socket
+        stalls this long fails (logged, naming the peer), and `wait()` / `close()` wait at
+        most this long for the copies of the newest local step before they log the peers
+        that did not answer and return.
     """
 
     directory: str | os.PathLike
@@ -71,6 +85,7 @@ class LocalTier:
     keep_last: int = 2
     replicas: int = 1
     address: str | None = None
+    copy_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name, least in (("every_steps", 1), ("keep_last", 1), ("replicas", 0)):
@@ -78,6 +93,11 @@ class LocalTier:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 kind = "a positive int" if least else "a non-negative int"
                 raise ConfigError(f"LocalTier.{name} must be {kind}, got {value!r}")
+        timeout = self.copy_timeout_s
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise ConfigError(
+                f"LocalTier.copy_timeout_s must be a positive number of seconds, got {timeout!r}"
+            )
         if self.address is not None and not isinstance(self.address, str):
             raise ConfigError(f"LocalTier.address must be a host name or IP, got {self.address!r}")
         if is_remote(self.directory):
@@ -140,6 +160,8 @@ class LocalStore:
         self.directory = Path(absolute(tier.directory))
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self._written: int | None = None  # the newest step written, its copies not settled
+        self._newest: int | None = None  # the newest step this store wrote or restored
         if not read_only:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -147,23 +169,20 @@ class LocalStore:
                 raise ConfigError(
                     f"LocalTier.directory {self.directory} cannot be made: {e.strerror or e}"
                 ) from None
-            # a save killed mid-write, a deletion that never finished, a copy half received
-            leftovers = [
-                p
-                for pattern in ("*", f"{_peers.REPLICAS}/*/*")
-                for suffix in (TMP_SUFFIX, _layout.DELETING_SUFFIX)
-                for p in self.directory.glob(pattern + suffix)
-            ]
-            for p in leftovers:
-                self._writer.submit(shutil.rmtree, p, True)
-        self._peers = None
+            # before any copy can arrive: a copy half received is a leftover too
+            _peers.sweep(self.directory)
+        self._peers = self._copies = None
         if tier.replicas and jax.process_count() > 1:  # a collective: every process makes it
+            self._copies = _Copies(tier.copy_timeout_s)
             self._peers = _peers.Peers(
                 tier.address or _orbax.coordinator_route(),
-                serve=self._servable,
-                receive=self.replica_dir,
-                accept=self._accept_copy,
+                self.directory,
+                check=self._check_copy,
+                tried=self._copies.tried,
+                keep=tier.keep_last,
+                timeout_s=tier.copy_timeout_s,
             )
+            self._copies.start(self._peers, tier.replicas)
 
     # ------------------------------------------------------------------------- saving
 
@@ -175,8 +194,9 @@ class LocalStore:
         data_about: str | None,
     ) -> None:
         """Copies this process's shards to the host (blocking) and writes the step in the
-        background. The previous local save is waited for first (its error raised)."""
-        self.wait()
+        background, then its copies. The previous local write is waited for first (its
+        error raised), never a copy."""
+        self._finish_write()
         arrays = {
             item: {n: a for n, a in leaves.items() if a.size} for item, leaves in arrays.items()
         }
@@ -189,8 +209,15 @@ class LocalStore:
         )
 
     def wait(self) -> None:
-        """Blocks until the local save in flight is written; raises its error (WriteFailed),
-        once."""
+        """Blocks until the local save in flight is written (its error raised, once, as
+        WriteFailed), then until its copies are settled (`_Copies.settle`: bounded by
+        `LocalTier.copy_timeout_s`, the peers that did not answer logged)."""
+        self._finish_write()
+        step, self._written = self._written, None
+        if step is not None and self._copies is not None:
+            self._copies.settle(step)
+
+    def _finish_write(self) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -199,6 +226,7 @@ class LocalStore:
             future.result()
         except Exception as e:
             raise WriteFailed(step, e) from e
+        self._written = step
 
     def _write(self, info, pieces, data, data_about) -> None:
         tmp = self.directory / f"{info.step}{TMP_SUFFIX}"
@@ -206,8 +234,15 @@ class LocalStore:
             self._write_step(tmp, info, pieces, data, data_about)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            fix = (
+                ": give this process read and write access to it, or pass another "
+                "LocalTier.directory"
+                if isinstance(e, PermissionError)
+                else ""
+            )
             raise RuntimeError(
-                f"writing local step {info.step} into {self.directory}: {type(e).__name__}: {e}"
+                f"writing local step {info.step} into {self.directory}: "
+                f"{type(e).__name__}: {e}{fix}"
             ) from e
 
     def _write_step(self, tmp: Path, info, pieces, data, data_about) -> None:
@@ -235,21 +270,21 @@ class LocalStore:
         _fsync_dir(tmp / _layout.META_DIR)
         _fsync_dir(tmp)
         # A step this number or newer is of a timeline that did not go on (the run went
-        # back to an older step since): never to be restored again.
+        # back to an older step since): never to be restored again, nor its copies: those
+        # kept from before this process started, and, when this store itself goes back,
+        # every one (every process goes back with it: they all save the same steps).
         for old in self.steps():
             if old >= step:
                 self._delete(old)
+        went_back = self._newest is not None and step <= self._newest
+        self._newest = step
+        self._drop_copies(step, fresh_too=went_back)
         tmp.rename(self.directory / str(step))
         _fsync_dir(self.directory)
         for old in self.steps()[: -self.tier.keep_last]:
             self._delete(old)
-        if self._peers is not None:
-            machines = [a[3] for a in self._peers.addresses]
-            for peer in _peers.holders(part.process, machines, self.tier.replicas):
-                try:
-                    self._peers.put(peer, part.process, step, self.step_dir(step))
-                except (_peers.PeerError, OSError) as e:  # the step still stands without it
-                    log.warning("local tier: no copy of step %d at process %d: %s", step, peer, e)
+        if self._copies is not None:
+            self._copies.send(step)  # in the background: the step stands without its copies
 
     def _delete(self, step: int) -> None:
         _discard(self.step_dir(step))
@@ -259,12 +294,21 @@ class LocalStore:
         to it: they are of a timeline that does not go on, and copies of every process's
         part of one would make it whole again)."""
         self.wait()
-        doomed = [self.step_dir(s) for s in self.steps() if s > step]
-        for owner, steps in self.copies().items():
-            doomed += [self.replica_dir(owner, s) for s in steps if s > step]
-        for folder in doomed:
-            log.info("local tier: deleting %s, newer than the restored step %d", folder, step)
-            _discard(folder)
+        for s in self.steps():
+            if s > step:
+                log.info("local tier: deleting local step %d, newer than the restored %d", s, step)
+                self._delete(s)
+        self._drop_copies(step + 1, fresh_too=True)
+        self._newest = step
+
+    def _drop_copies(self, step: int, *, fresh_too: bool) -> None:
+        """The copies of steps from `step` on go (`_peers.Peers.drop`)."""
+        if self._peers is None:
+            _peers.drop_copies(self.directory, step)
+            return
+        self._peers.drop(step, fresh_too=fresh_too)
+        if fresh_too:
+            self._copies.forget(step)
 
     def close(self) -> None:
         try:
@@ -272,52 +316,25 @@ class LocalStore:
         finally:
             self._writer.shutdown(wait=True)
             if self._peers is not None:
+                self._copies.close()
                 self._peers.close()
 
     # ------------------------------------------------------------------------- copies
 
-    def replica_dir(self, owner: int, step: int) -> Path:
-        """Where this process keeps its copy of `owner`'s part of `step`."""
-        return self.directory / _peers.REPLICAS / str(owner) / str(step)
-
     def copies(self) -> dict[int, list[int]]:
         """The copies this process keeps: {owner: [step, ...]}, oldest first."""
-        found: dict[int, list[int]] = {}
-        root = self.directory / _peers.REPLICAS
-        if not root.is_dir() or root.is_symlink():
-            return found
-        for owner_dir in root.iterdir():
-            owner = _layout.step_of(owner_dir.name)
-            if owner is None or owner_dir.is_symlink() or not owner_dir.is_dir():
-                continue
-            steps = [_layout.step_of(p.name) for p in owner_dir.iterdir() if not p.is_symlink()]
-            found[owner] = sorted(s for s in steps if s is not None)
-        return found
+        return _peers.copies(self.directory)
 
-    def _servable(self, owner: int, step: int) -> Path | None:
-        """A part this process may send: its own, or a copy it keeps."""
-        own = jax.process_index() == owner and self.step_dir(step).is_dir()
-        folder = self.step_dir(step) if own else self.replica_dir(owner, step)
-        return folder if folder.is_dir() and not folder.is_symlink() else None
-
-    def _accept_copy(self, owner: int, step: int, tmp: Path) -> None:
-        """A copy received (in the listener's thread): checked, then renamed into place;
-        the owner's copies of newer steps (another timeline) and beyond keep_last go."""
-        report = _integrity.verify_step(tmp, step)
+    def _check_copy(self, owner: int, step: int, folder: Path) -> None:
+        """A copy received (in a listener thread), before it is put in place: PeerError
+        unless it is whole and `owner`'s part of `step`."""
+        report = _integrity.verify_step(folder, step)
         if report.problems:
             raise _peers.PeerError(f"the copy does not match its manifest: {report.problems}")
-        with open_inside(tmp, PART_PATH) as f:
+        with open_inside(folder, PART_PATH) as f:
             part = Part.from_json(json.loads(f.read()))
         if part.process != owner:
             raise _peers.PeerError(f"the copy is process {part.process}'s, not {owner}'s")
-        final = self.replica_dir(owner, step)
-        for old in self.copies().get(owner, []):
-            if old >= step:
-                _discard(self.replica_dir(owner, old))
-        tmp.rename(final)
-        _fsync_dir(final.parent)
-        for old in self.copies().get(owner, [])[: -self.tier.keep_last]:
-            _discard(self.replica_dir(owner, old))
 
     def fetch(self, step: int, peer: int) -> str | None:
         """This process's own part of `step`, fetched from the copy `peer` keeps, in place
@@ -328,7 +345,7 @@ class LocalStore:
         tmp = self.directory / f"{step}{TMP_SUFFIX}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self._peers.get(peer, me, step, tmp)
+            self._peers.get(peer, me, step, tmp.name)
             report = _integrity.verify_step(tmp, step)
             if report.problems:
                 raise _peers.PeerError(f"it does not match its manifest: {report.problems}")
@@ -349,15 +366,25 @@ class LocalStore:
     # ------------------------------------------------------------------------- reading
 
     def steps(self) -> list[int]:
-        """The committed local steps of this process, oldest first (not checked yet)."""
-        if not self.directory.is_dir():
+        """The committed local steps of this process, oldest first (not checked yet); none
+        in a directory this process cannot read (logged: the persistent tier serves)."""
+        try:
+            with os.scandir(self.directory) as entries:
+                found = [
+                    _layout.step_of(e.name) for e in entries if e.is_dir(follow_symlinks=False)
+                ]
+        except FileNotFoundError:
             return []
-        found = []
-        for p in self.directory.iterdir():
-            step = _layout.step_of(p.name)
-            if step is not None and not p.is_symlink() and p.is_dir():
-                found.append(step)
-        return sorted(found)
+        except OSError as e:
+            log.warning(
+                "local tier: %s cannot be read (%s): its steps are passed over, the persistent "
+                "tier serves. Give this process read and write access to it, or pass another "
+                "LocalTier.directory",
+                self.directory,
+                e.strerror or e,
+            )
+            return []
+        return sorted(s for s in found if s is not None)
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
@@ -412,12 +439,113 @@ class LocalStore:
         return _packed.PackedStep(folder, jax.process_count(), parts=(jax.process_index(),))
 
 
-def _discard(folder: Path) -> None:
-    """Removes a part or a copy: renamed out of every listing first (a removal cut short
-    leaves a `.jaxckpt-deleting` folder, swept at the next start), then deleted."""
-    doomed = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
-    folder.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+class _Copies:
+    """This process's copies: its parts sent to their holders, in a thread a holder (at
+    most one copy in flight to it and one waiting: a newer step replaces an older one not
+    sent yet), and the copies its owners put here (`tried`, from the listener)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        # Under `_changed`: the step waiting to go to each holder, the newest step each
+        # holder answered (copy in place, or failed), the newest step each owner put here
+        # (or tried to).
+        self._changed = threading.Condition()
+        self._waiting: dict[int, int | None] = {}
+        self._answered: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        self._closed = False
+        self._peers: _peers.Peers | None = None
+
+    def start(self, peers: _peers.Peers, replicas: int) -> None:
+        me, machines = jax.process_index(), [a.machine for a in peers.addresses]
+        holders = _peers.holders(me, machines, replicas)
+        owners = [o for o in range(len(machines)) if me in _peers.holders(o, machines, replicas)]
+        self._peers, self._me = peers, me
+        with self._changed:
+            self._waiting = dict.fromkeys(holders)
+            self._answered = dict.fromkeys(holders, -1)
+            self._received = {o: self._received.get(o, -1) for o in owners}
+        for h in holders:
+            name = f"jaxckpt-copies-to-{h}"
+            threading.Thread(target=self._send, args=(h,), name=name, daemon=True).start()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def send(self, step: int) -> None:
+        """Offers this process's part of `step` to its holders; returns at once."""
+        with self._changed:
+            for h in self._waiting:
+                self._waiting[h] = step
+            self._changed.notify_all()
+
+    def tried(self, owner: int, step: int) -> None:
+        with self._changed:
+            if self._peers is None or owner in self._received:  # before `start`: any
+                self._received[owner] = max(self._received.get(owner, -1), step)
+                self._changed.notify_all()
+
+    def forget(self, step: int) -> None:
+        """The copies put here of steps from `step` on are gone (another timeline)."""
+        with self._changed:
+            for owner, got in self._received.items():
+                self._received[owner] = min(got, step - 1)
+
+    def settle(self, step: int) -> None:
+        """Waits, at most `timeout_s`, until every holder answered the copy of `step` (or a
+        newer one) and every owner whose copies this process keeps put its own here (an
+        owner whose listener refuses connections is gone: not waited for); logs a warning
+        naming each peer that did not."""
+        deadline, gone = time.monotonic() + self.timeout_s, set()
+        while True:
+            with self._changed:
+                holders = [h for h, s in self._answered.items() if s < step]
+                owners = [o for o, s in self._received.items() if s < step and o not in gone]
+                left = deadline - time.monotonic()
+                if not (holders or owners) or left <= 0 or self._closed:
+                    break
+                self._changed.wait(min(left, 1.0))
+            gone.update(o for o in owners if self._peers.refuses(o))
+        late = f"within {self.timeout_s:.0f} s (stopped or overloaded?)"
+        said = [(o, "is gone (it refuses connections): its copy will not come") for o in gone]
+        said += [(h, f"did not answer this process's copy of step {step} {late}") for h in holders]
+        said += [
+            (o, f"did not answer: its copy of step {step} did not arrive {late}") for o in owners
+        ]
+        for peer, what in sorted(said):
+            log.warning(
+                "local tier: %s %s; the step stands on each process's own part",
+                self._peers.where(peer),
+                what,
+            )
+
+    def _send(self, holder: int) -> None:
+        while True:
+            with self._changed:
+                while self._waiting[holder] is None and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                step, self._waiting[holder] = self._waiting[holder], None
+            try:
+                self._peers.put(holder, self._me, step, str(step))
+            except FileNotFoundError:  # deleted meanwhile: a newer step replaced it
+                log.info("local tier: step %d was deleted before its copy went", step)
+            except Exception as e:  # never the end of this thread: the next copy may go
+                if not self._peers.closed:
+                    where = self._peers.where(holder)
+                    why = e if isinstance(e, _peers.PeerError) else f"{where}: {e!r}"
+                    log.warning(
+                        "local tier: no copy of step %d: %s; the step stands on this "
+                        "process's own part",
+                        step,
+                        why,
+                    )
+            with self._changed:
+                self._answered[holder] = max(self._answered[holder], step)
+                self._changed.notify_all()
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -1,28 +1,51 @@
-"""Copies of local parts between processes, over TCP: the one owner of the peer protocol.
+"""Copies of local parts between processes, over TCP: the one owner of the peer protocol
+and of the copies' folder, `replicas/`.
 
 With `LocalTier(replicas=r)`, each process's part goes to r other processes (`holders`: the
 next ones in the ring of processes that run on another machine), so that a process whose
-directory is lost gets its part back from a peer. A process never opens
-another process's directory: on a pod that is another machine's disk. Each process listens
-on a port of its own in a thread of its own (beside XLA's collectives, never among them:
-a background transfer issuing collectives could interleave with a training step's on other
-processes); the job's processes exchange their addresses and a random token each once, by a
-collective when the manager is made, and a peer must present the listener's token.
+directory is lost gets its part back from a peer. A process never opens another process's
+directory: on a pod that is another machine's disk. Each process listens on a port of its
+own in a thread of its own (beside XLA's collectives, never among them: a background
+transfer issuing collectives could interleave with a training step's on other processes).
 
-A request is a header (4-byte length, then JSON) and, for a put, the files' bytes:
+When and to whom copies go, and what `wait()` waits for, is `jaxckpt._local`'s: in
+threads of their own, never on the training thread. Any one socket operation that stalls
+for `LocalTier.copy_timeout_s` fails its transfer (PeerError, naming the peer).
 
-    put  {token, op: "put", owner, step, files: [[rel, size, xxh3_128], ...]}  + bytes
-         -> {"ok": true} once the copy is written, checked and renamed into place
-    get  {token, op: "get", owner, step}
-         -> {"ok": true, files: [[rel, size, xxh3_128], ...]} + bytes, or {"ok": false, ...}
+Protocol. The job's processes exchange their addresses and a random key each once, by a
+collective when the manager is made; a key never goes over TCP. A connection carries one
+request; a header is a 4-byte length, then JSON:
 
-Copies live in the holder's directory as `replicas/<owner>/<step>/` (the owner's step folder
-as it is), written to `<step>.jaxckpt-tmp` and renamed: a copy is there whole or not at all.
+    listener -> {"challenge": <32 random hex digits, this connection's own>}
+    client   -> {op, owner, step, [files], mac}
+                mac: HMAC-SHA256 with the listener's key over the challenge, a newline and
+                the request without `mac` (JSON, keys sorted, no spaces)
+    put:  -> {"ok": true} (send) or {"ok": false, error}; then the files' bytes
+          -> {"ok": true} once the copy is written, checked and in place, or {"ok": false, error}
+    get:  -> {"ok": true, files} + the files' bytes, or {"ok": false, error}
+
+`files` is [[rel, size, xxh3_128], ...]; every file is checked against it as it arrives. A
+request whose mac does not match is refused: without the key none can be made, and a
+captured one cannot be replayed (another connection, another challenge). Not covered: the
+traffic is not encrypted, and what follows a request's header is checked by xxh3 (against
+damage, not an attacker that alters the traffic in flight).
+
+Copies live in the holder's directory as `replicas/<owner>/<step>/` (the owner's step
+folder as it is), written to `<step>-<random>.jaxckpt-tmp` and renamed: a copy is there
+whole or not at all. A put never rolls copies back: it is refused when the holder keeps a
+copy of a newer step of that owner received since it started, and it never deletes a newer
+one; copies of a timeline that did not go on are dropped by the holder itself (`drop`: at
+each of its saves, those from before it started of that step or newer; and every newer one
+when it restores an older step, or its own saves go back). No link is followed anywhere
+under the local directory: every folder there is opened one at a time with O_NOFOLLOW (as
+`_storage.open_inside` opens files), and then used through `/proc/self/fd/<fd>`, which
+names the folder opened, not its path; a link where a folder should be is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -33,30 +56,42 @@ import shutil
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity
+from jaxckpt import _integrity, _layout
+from jaxckpt._storage import open_inside
 
 log = logging.getLogger("jaxckpt")
 
 REPLICAS = "replicas"
 TMP_SUFFIX = ".jaxckpt-tmp"
-TIMEOUT_S = 120.0  # any one socket operation
 _MAX_HEADER = 2**20
 _MAX_FILES = 4096
 _CHUNK = 8 * 2**20
 _ADDRESS_BYTES = 256
 _REL = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 class PeerError(Exception):
     """A transfer with a peer failed (its message says which and why)."""
+
+
+class _Silent(PeerError):
+    """The peer closed the connection before it sent a byte."""
+
+
+class Address(NamedTuple):
+    host: str
+    port: int
+    key: bytes
+    machine: str
 
 
 def holders(process: int, machines: list[str], replicas: int) -> list[int]:
@@ -69,71 +104,126 @@ def holders(process: int, machines: list[str], replicas: int) -> list[int]:
 
 
 class Peers:
-    """This process's listener, and every peer's address. `serve(owner, step)` gives the
-    folder of a part this process can send (None: it has none); `received(owner, step,
-    tmp)` is called for a copy put here, checked, before it is renamed into place, and
-    returns its final folder."""
+    """This process's listener, and every peer's address (`addresses`, by process index).
+
+    `root` is this process's local directory: its own parts are `root/<step>`, the copies
+    it keeps `root/replicas/<owner>/<step>`. `check(owner, step, folder)` checks a copy
+    received (PeerError if it is not `owner`'s part of `step`) before it is put in place;
+    `keep` copies of each owner are kept; `tried(owner, step)` is called once a put from
+    `owner` (signed) is over, whether the copy is in place or not.
+    """
 
     def __init__(
         self,
         address: str,
-        serve: Callable[[int, int], Path | None],
-        receive: Callable[[int, int], Path],
-        accept: Callable[[int, int, Path], None],
+        root: Path,
+        *,
+        check: Callable[[int, int, Path], None],
+        tried: Callable[[int, int], None],
+        keep: int,
+        timeout_s: float,
     ):
-        self._serve, self._receive, self._accept = serve, receive, accept
-        self._token = secrets.token_hex(16)
+        self.root, self.timeout_s = root, timeout_s
+        self._check, self._tried, self._keep = check, tried, keep
+        self._key = secrets.token_bytes(16)
         self._server = socket.create_server((address, 0))
         self._server.settimeout(1.0)
         self._closed = threading.Event()
+        self._lock = threading.Lock()  # the copies' folders, and who put what since start:
+        self._fresh: set[tuple[int, int]] = set()  # (owner, step)
+        self._open: set[socket.socket] = set()  # the connections of put and get, for close
         port = self._server.getsockname()[1]
-        self.addresses = _exchange(f"{address} {port} {self._token} {socket.gethostname()}")
-        self._thread = threading.Thread(target=self._listen, name="jaxckpt-peers", daemon=True)
-        self._thread.start()
+        self.addresses = _exchange(f"{address} {port} {self._key.hex()} {socket.gethostname()}")
+        self._listener = threading.Thread(target=self._listen, name="jaxckpt-peers", daemon=True)
+        self._listener.start()
 
     def close(self) -> None:
+        """Stops listening; a put or get in flight is cut off."""
         self._closed.set()
-        self._thread.join(timeout=5)
+        with self._lock:
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self._listener.join(timeout=5)
         self._server.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def where(self, peer: int) -> str:
+        """`process <peer> (<host>:<port>)`, for messages."""
+        host, port, _, _ = self.addresses[peer]
+        return f"process {peer} ({host}:{port})"
 
     # ------------------------------------------------------------------------- client
 
-    def put(self, peer: int, owner: int, step: int, folder: Path) -> None:
-        """Sends the part in `folder` to `peer`, which keeps it as a copy (PeerError)."""
-        files = _files(folder)
-        with self._connect(peer) as conn:
-            _send_header(conn, self._request(peer, "put", owner, step, files=files))
-            for rel, size, _ in files:
-                _send_file(conn, folder / rel, size)
-            reply = _read_header(conn)
+    def put(self, peer: int, owner: int, step: int, rel: str) -> None:
+        """Sends the part in `root/<rel>` to `peer`, which keeps it as its copy of `owner`'s
+        part of `step` (PeerError; OSError if the part cannot be read here)."""
+        with _folder(self.root, rel) as folder:
+            files = _files(folder)
+            with self._connect(peer) as conn:
+                request = {"op": "put", "owner": owner, "step": step, "files": files}
+                self._request(conn, peer, request)
+                reply = _read_header(conn)
+                if reply.get("ok"):
+                    for name, size, _ in files:
+                        _send_file(conn, folder, name, size)
+                    reply = _read_header(conn)
         if not reply.get("ok"):
-            raise PeerError(f"process {peer} refused the copy of step {step}: {reply.get('error')}")
+            raise PeerError(
+                f"{self.where(peer)} refused the copy of step {step}: {reply.get('error')}"
+            )
 
-    def get(self, peer: int, owner: int, step: int, dest: Path) -> None:
-        """Receives `owner`'s part of `step` from `peer` into the new folder `dest`, each
-        file checked against the size and hash the peer announced (PeerError)."""
+    def get(self, peer: int, owner: int, step: int, name: str) -> None:
+        """Receives `owner`'s part of `step` from `peer` into the new folder `root/<name>`,
+        each file checked against the size and hash the peer announced (PeerError)."""
         with self._connect(peer) as conn:
-            _send_header(conn, self._request(peer, "get", owner, step))
+            self._request(conn, peer, {"op": "get", "owner": owner, "step": step})
             reply = _read_header(conn)
             if not reply.get("ok"):
                 raise PeerError(
-                    f"process {peer} has no copy of process {owner}'s step {step}: "
+                    f"{self.where(peer)} has no copy of process {owner}'s step {step}: "
                     f"{reply.get('error')}"
                 )
-            _receive_files(conn, dest, _checked_files(reply.get("files")))
+            files = _checked_files(reply.get("files"))
+            with _folder(self.root, "") as root:
+                os.mkdir(root / name)
+                with _folder(root, name) as dest:
+                    _receive_files(conn, dest, files)
 
-    def _request(self, peer: int, op: str, owner: int, step: int, **more: Any) -> dict:
-        token = self.addresses[peer][2]
-        return {"token": token, "op": op, "owner": owner, "step": step, **more}
+    def _request(self, conn: socket.socket, peer: int, request: dict) -> None:
+        challenge = _read_header(conn).get("challenge")
+        if not isinstance(challenge, str):
+            raise PeerError(f"{self.where(peer)} sent no challenge")
+        mac = _mac(self.addresses[peer].key, challenge, request)
+        _send_header(conn, {**request, "mac": mac})
 
-    def _connect(self, peer: int) -> socket.socket:
+    @contextlib.contextmanager
+    def _connect(self, peer: int) -> Iterator[socket.socket]:
+        """A connection to `peer`, cut off by `close`; a timeout or a reset is a PeerError
+        naming the peer."""
         host, port, _, _ = self.addresses[peer]
         try:
-            conn = socket.create_connection((host, port), timeout=TIMEOUT_S)
+            conn = socket.create_connection((host, port), timeout=self.timeout_s)
         except OSError as e:
-            raise PeerError(f"process {peer} at {host}:{port} is unreachable: {e}") from e
-        conn.settimeout(TIMEOUT_S)
-        return conn
+            raise PeerError(f"{self.where(peer)} is unreachable: {e}") from e
+        with self._lock:
+            self._open.add(conn)
+        try:
+            with conn:
+                yield conn
+        except TimeoutError as e:
+            raise PeerError(
+                f"{self.where(peer)} did not answer within {self.timeout_s:.0f} s "
+                "(stopped, overloaded or gone?)"
+            ) from e
+        except ConnectionError as e:
+            raise PeerError(f"{self.where(peer)} closed the connection: {e}") from e
+        finally:
+            with self._lock:
+                self._open.discard(conn)
 
     # ------------------------------------------------------------------------- server
 
@@ -149,50 +239,221 @@ class Peers:
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(TIMEOUT_S)
+            conn.settimeout(self.timeout_s)
             try:
+                peer = "{}:{}".format(*conn.getpeername()[:2])
+            except OSError:
+                peer = "a peer"
+            try:
+                challenge = secrets.token_hex(16)
+                _send_header(conn, {"challenge": challenge})
                 request = _read_header(conn)
-                if not hmac.compare_digest(str(request.get("token")), self._token):
-                    raise PeerError("a request without this job's token")
+                mac = request.pop("mac", None)
+                if not (
+                    isinstance(mac, str)
+                    and hmac.compare_digest(mac, _mac(self._key, challenge, request))
+                ):
+                    raise PeerError(
+                        "a request not signed with this listener's key for this connection "
+                        "(not from this job, or replayed)"
+                    )
                 owner, step = request.get("owner"), request.get("step")
                 if not (type(owner) is int and type(step) is int and owner >= 0 and step >= 0):
                     raise PeerError("a request without an owner and a step")
                 if request.get("op") == "put":
-                    self._take(conn, owner, step, _checked_files(request.get("files")))
+                    try:
+                        self._take(conn, owner, step, _checked_files(request.get("files")))
+                    finally:
+                        self._tried(owner, step)
                     _send_header(conn, {"ok": True})
                 elif request.get("op") == "get":
                     self._give(conn, owner, step)
                 else:
                     raise PeerError(f"an unknown request {request.get('op')!r}")
+            except _Silent:  # closed before a byte: `refuses`'s probe
+                pass
             except Exception as e:  # a peer's failure never stops this process
-                log.warning("local tier: a peer's request failed: %s", e)
+                log.warning("local tier: a request from %s failed: %s", peer, e)
                 with contextlib.suppress(OSError):  # the peer may be gone already
                     _send_header(conn, {"ok": False, "error": str(e)[:500]})
 
     def _take(self, conn: socket.socket, owner: int, step: int, files: list) -> None:
-        final = self._receive(owner, step)
-        tmp = final.with_name(final.name + TMP_SUFFIX)
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            _receive_files(conn, tmp, files)
-            self._accept(owner, step, tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with _folder(self.root, f"{REPLICAS}/{owner}", create=True) as at:
+            with self._lock:
+                self._refuse_rollback(at, owner, step)
+            tmp = f"{step}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+            try:
+                os.mkdir(at / tmp)
+                _send_header(conn, {"ok": True})  # send the files
+                with _folder(at, tmp) as dest:
+                    _receive_files(conn, dest, files)
+                    self._check(owner, step, dest)
+                with self._lock:
+                    self._refuse_rollback(at, owner, step)
+                    if os.path.lexists(at / str(step)):
+                        discard(at / str(step))
+                    os.rename(at / tmp, at / str(step))
+                    _fsync_folder(at)
+                    self._fresh.add((owner, step))
+                    older = [s for s in _steps_in(at) if s <= step]
+                    for old in older[: -self._keep]:
+                        discard(at / str(old))
+                        self._fresh.discard((owner, old))
+            except BaseException:
+                shutil.rmtree(at / tmp, ignore_errors=True)
+                raise
+
+    def _refuse_rollback(self, at: Path, owner: int, step: int) -> None:
+        newer = [s for s in _steps_in(at) if s > step and (owner, s) in self._fresh]
+        if newer:
+            raise PeerError(
+                f"a copy of process {owner}'s step {step}, older than its step {newer[-1]} "
+                "this process keeps: a copy is never rolled back"
+            )
 
     def _give(self, conn: socket.socket, owner: int, step: int) -> None:
-        folder = self._serve(owner, step)
-        if folder is None:
-            _send_header(conn, {"ok": False, "error": "no such part here"})
-            return
-        files = _files(folder)
-        _send_header(conn, {"ok": True, "files": files})
-        for rel, size, _ in files:
-            _send_file(conn, folder / rel, size)
+        try:
+            with _folder(self.root, f"{REPLICAS}/{owner}/{step}") as folder:
+                files = _files(folder)
+                _send_header(conn, {"ok": True, "files": files})
+                for rel, size, _ in files:
+                    _send_file(conn, folder, rel, size)
+        except FileNotFoundError:
+            _send_header(conn, {"ok": False, "error": "no such copy here"})
+
+    # ------------------------------------------------------------------------- timelines
+
+    def drop(self, step: int, *, fresh_too: bool) -> None:
+        """Deletes the copies of steps from `step` on (of a timeline that did not go on):
+        those kept from before this process started, or all of them (`fresh_too`)."""
+        with self._lock:
+            drop_copies(self.root, step, keep=set() if fresh_too else set(self._fresh))
+            if fresh_too:
+                self._fresh = {(o, s) for o, s in self._fresh if s < step}
+
+    def refuses(self, peer: int) -> bool:
+        """Whether `peer`'s listener refuses a connection: its process is gone."""
+        try:
+            socket.create_connection(self.addresses[peer][:2], timeout=1.0).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            pass
+        return False
 
 
-def _exchange(mine: str) -> list[tuple[str, int, str, str]]:
-    """Every process's "address port token machine" (a collective)."""
+# --- the copies' folders, read and changed without following a link --------------------
+
+
+@contextlib.contextmanager
+def _folder(root: Path, rel: str, *, create: bool = False) -> Iterator[Path]:
+    """The folder `root/rel`, reached one folder at a time without following a link (the
+    missing ones made, with `create`), as a path naming the folder opened (`/proc/self/fd/N`,
+    where there is one): a link swapped in later cannot redirect what is done through it.
+    OSError: ELOOP or ENOTDIR at a link or a file on the way."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in filter(None, rel.split("/")):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=fd)
+            try:
+                inner = os.open(name, _FOLDER, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                where = os.path.join(root, rel)
+                raise OSError(
+                    e.errno,
+                    f"{name} in {where} is a link or not a folder (jaxckpt follows no link "
+                    "in its local directory: remove it)",
+                ) from None
+            os.close(fd)
+            fd = inner
+        pinned = Path(f"/proc/self/fd/{fd}")
+        yield pinned if pinned.is_dir() else Path(root, rel)
+    finally:
+        os.close(fd)
+
+
+def _steps_in(folder: Path) -> list[int]:
+    """The step folders (no link) in `folder`, oldest first."""
+    with os.scandir(folder) as entries:
+        steps = [_layout.step_of(e.name) for e in entries if e.is_dir(follow_symlinks=False)]
+    return sorted(s for s in steps if s is not None)
+
+
+def copies(root: Path) -> dict[int, list[int]]:
+    """The copies kept in `root`: {owner: [step, ...]}, oldest first. A link where a folder
+    should be is passed over (logged)."""
+    found: dict[int, list[int]] = {}
+    try:
+        with _folder(root, REPLICAS) as replicas, os.scandir(replicas) as entries:
+            owners = [(e.name, _layout.step_of(e.name)) for e in entries]
+            for name, owner in owners:
+                if owner is None:
+                    continue
+                try:
+                    with _folder(replicas, name) as at:
+                        found[owner] = _steps_in(at)
+                except OSError as e:
+                    log.warning("local tier: copies passed over: %s", e.strerror or e)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # unreadable: `LocalStore.steps` says so
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            log.warning("local tier: copies passed over: %s", e.strerror or e)
+    return found
+
+
+def drop_copies(root: Path, step: int, *, keep: set[tuple[int, int]] = frozenset()) -> None:
+    """Deletes the copies in `root` of steps from `step` on, but those in `keep`."""
+    for owner, steps in copies(root).items():
+        doomed = [s for s in steps if s >= step and (owner, s) not in keep]
+        if doomed:
+            with _folder(root, f"{REPLICAS}/{owner}") as at:
+                for s in doomed:
+                    log.info("local tier: deleting process %d's copy of step %d", owner, s)
+                    discard(at / str(s))
+
+
+def sweep(root: Path) -> None:
+    """Deletes what a save killed mid-write, a deletion that never finished or a copy half
+    received left behind in `root` (best effort: what cannot be read is left as it is)."""
+    leftovers = (TMP_SUFFIX, _layout.DELETING_SUFFIX)
+    for rel in ["", *(f"{REPLICAS}/{owner}" for owner in copies(root))]:
+        with contextlib.suppress(OSError), _folder(root, rel) as at:
+            for name in os.listdir(at):
+                if name.endswith(leftovers):
+                    _remove(at / name)
+
+
+def discard(folder: Path) -> None:
+    """Removes a part or a copy: renamed out of every listing first (a removal cut short
+    leaves a `.jaxckpt-deleting` folder, swept at the next start), then deleted. A link is
+    removed, never followed."""
+    doomed = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
+    folder.rename(doomed)
+    _remove(doomed)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(mine: str) -> list[Address]:
+    """Every process's "address port key machine" (a collective)."""
     raw = mine.encode()
     if len(raw) > _ADDRESS_BYTES:
         raise PeerError(f"the address {mine!r} is too long")
@@ -201,23 +462,35 @@ def _exchange(mine: str) -> list[tuple[str, int, str, str]]:
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, _ADDRESS_BYTES)
     out = []
     for row in every:
-        host, port, token, machine = bytes(row).rstrip(b"\0").decode().split(" ", 3)
-        out.append((host, int(port), token, machine))
+        host, port, key, machine = bytes(row).rstrip(b"\0").decode().split(" ", 3)
+        out.append(Address(host, int(port), bytes.fromhex(key), machine))
     return out
+
+
+def _mac(key: bytes, challenge: str, request: dict) -> str:
+    body = json.dumps(request, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, f"{challenge}\n{body}".encode(), "sha256").hexdigest()
+
+
+# --- the wire -----------------------------------------------------------------------------
 
 
 def _files(folder: Path) -> list[list]:
-    """Every regular file below `folder`: [rel, size, xxh3_128 hex] each, sorted."""
-    out = []
-    for root, dirs, names in os.walk(folder):
-        dirs.sort()
-        for name in sorted(names):
-            path = Path(root) / name
-            if path.is_symlink() or not path.is_file():
-                raise PeerError(f"{path} is not a regular file")
-            rel = str(path.relative_to(folder))
-            out.append([rel, *_integrity.digest(folder, rel)])
-    return out
+    """Every file below `folder`: [rel, size, xxh3_128 hex] each, sorted; PeerError at a
+    link or a special file."""
+    out, stack = [], [""]
+    while stack:
+        below = stack.pop()
+        with os.scandir(folder / below) as entries:
+            for entry in entries:
+                rel = f"{below}/{entry.name}" if below else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                elif entry.is_file(follow_symlinks=False):
+                    out.append([rel, *_integrity.digest(folder, rel)])
+                else:
+                    raise PeerError(f"{rel} is a link or a special file: it is never sent")
+    return sorted(out)
 
 
 def _checked_files(files: Any) -> list[tuple[str, int, str]]:
@@ -257,34 +530,38 @@ def _read_exactly(conn: socket.socket, size: int) -> bytes:
     while len(buf) < size:
         chunk = conn.recv(min(size - len(buf), _CHUNK))
         if not chunk:
+            if not buf:
+                raise _Silent(f"the peer closed the connection before it sent any of {size} bytes")
             raise PeerError(f"the peer closed the connection after {len(buf)} of {size} bytes")
         buf += chunk
     return bytes(buf)
 
 
-def _send_file(conn: socket.socket, path: Path, size: int) -> None:
-    with open(path, "rb") as f:
+def _send_file(conn: socket.socket, folder: Path, rel: str, size: int) -> None:
+    with open_inside(folder, rel) as f:
         sent = conn.sendfile(f, 0, size)
     if sent != size:
-        raise PeerError(f"{path} changed while it was sent ({sent} of {size} bytes)")
+        raise PeerError(f"{rel} changed while it was sent ({sent} of {size} bytes)")
 
 
 def _receive_files(conn: socket.socket, dest: Path, files: list) -> None:
-    """The files' bytes from `conn` into the new folder `dest`, each checked and fsynced."""
-    dest.mkdir(parents=True)
+    """The files' bytes from `conn` into the empty folder `dest`, each checked and fsynced;
+    no link followed (a file or folder there already is an error)."""
     for rel, size, digest in files:
-        path = dest / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        h, left = xxhash.xxh3_128(), size
-        with open(path, "xb") as f:
-            while left:
-                chunk = conn.recv(min(left, _CHUNK))
-                if not chunk:
-                    raise PeerError(f"the peer closed the connection during {rel}")
-                h.update(chunk)
-                f.write(chunk)
-                left -= len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        below, _, name = rel.rpartition("/")
+        with _folder(dest, below, create=True) as at:
+            h, left = xxhash.xxh3_128(), size
+            fd = os.open(at / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with open(fd, "wb") as f:
+                while left:
+                    chunk = conn.recv(min(left, _CHUNK))
+                    if not chunk:
+                        raise PeerError(f"the peer closed the connection during {rel}")
+                    h.update(chunk)
+                    f.write(chunk)
+                    left -= len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_folder(at)
         if h.hexdigest() != digest:
             raise PeerError(f"{rel} arrived changed (checksum mismatch)")

@@ -221,6 +221,8 @@ def test_a_failed_local_save_is_a_save_error_and_the_next_one_works(mesh, tmp_pa
         ({"every_steps": 0}, "every_steps must be a positive int"),
         ({"every_steps": 2, "keep_last": 0}, "keep_last must be a positive int"),
         ({"every_steps": True}, "every_steps must be a positive int"),
+        ({"every_steps": 2, "copy_timeout_s": 0}, "copy_timeout_s must be a positive number"),
+        ({"every_steps": 2, "copy_timeout_s": True}, "copy_timeout_s must be a positive number"),
     ],
 )
 def test_local_tier_options_are_checked(tmp_path, kwargs, match):

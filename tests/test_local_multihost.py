@@ -78,6 +78,19 @@ def test_local_directories_lost_or_moved(tmp_path, uninterrupted):
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
+def test_a_job_killed_right_after_wait_keeps_the_copy_of_its_newest_step(tmp_path, uninterrupted):
+    """wait() returns once the copies are where they are due, both ways: process 0 is killed
+    right after its wait(), and process 1's copy of that step (sent last: process 1 saves
+    the step only once process 0's copy of it arrived) is at process 0 all the same."""
+    _killed(_run(tmp_path, 2, 4, kill_after=14, copy_first=True, check=False))
+    shutil.rmtree(tmp_path / "local-1")  # process 1's host replaced
+    results = _run(tmp_path, 2, 4, start="latest")
+    resumed = [r.report() for r in results]
+    assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
+    assert "step 14 fetched from process 0's copy" in results[1].stderr
+    _same_continuation(resumed, uninterrupted(2, 4))
+
+
 def test_after_going_back_to_an_older_step_no_newer_local_step_returns(tmp_path, uninterrupted):
     """Restored to step 10 (and killed at once): the local steps 12-16 and their copies are
     of a run that does not go on; were the copies kept, they would make 16 whole again."""

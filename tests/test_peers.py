@@ -1,10 +1,15 @@
 """The peer protocol of the local tier's copies (jaxckpt._peers), fed what a hostile or
-broken peer could send: every request is refused without the listener's token, no path
-leads out of the folder a copy is written to, and a copy that arrives changed is refused."""
+broken peer could send: every request is refused unless signed with the listener's key for
+its connection (so a captured one cannot be replayed), a put never rolls copies back, no
+path leads out of the local directory (neither a file name nor a link), and a copy that
+arrives changed is refused. Between real processes: tests/test_local_copies.py."""
 
+import contextlib
 import json
+import logging
 import socket
 import struct
+import threading
 
 import pytest
 
@@ -13,31 +18,26 @@ from jaxckpt import _peers
 
 @pytest.fixture
 def peer(tmp_path):
-    """One process's listener on 127.0.0.1, serving `tmp_path/parts/<owner>/<step>` and
-    keeping what it is sent under `tmp_path/copies/`."""
-    accepted = []
+    """One process's listener on 127.0.0.1 with its local directory `tmp_path/local`."""
+    checked = []
+    root = tmp_path / "local"
+    root.mkdir()
 
-    def serve(owner, step):
-        folder = tmp_path / "parts" / str(owner) / str(step)
-        return folder if folder.is_dir() else None
+    def check(owner, step, folder):
+        checked.append((owner, step))
 
-    def receive(owner, step):
-        (tmp_path / "copies" / str(owner)).mkdir(parents=True, exist_ok=True)
-        return tmp_path / "copies" / str(owner) / str(step)
-
-    def accept(owner, step, tmp):
-        accepted.append((owner, step))
-        tmp.rename(receive(owner, step))
-
-    peers = _peers.Peers("127.0.0.1", serve, receive, accept)
-    peers.accepted = accepted
+    tried = []
+    peers = _peers.Peers(
+        "127.0.0.1", root, check=check, tried=lambda *put: tried.append(put), keep=2, timeout_s=30
+    )
+    peers.checked, peers.tried = checked, tried
     yield peers
     peers.close()
 
 
-def _part(folder):
+def _part(folder, fill=0):
     (folder / "packed").mkdir(parents=True)
-    (folder / "packed" / "0-of-1.bin").write_bytes(bytes(range(256)) * 100)
+    (folder / "packed" / "0-of-1.bin").write_bytes(bytes(range(256)) * 100 + bytes([fill]))
     (folder / "data.json").write_text('{"position": 3}')
     return folder
 
@@ -52,88 +52,233 @@ def test_copies_go_to_other_machines_first():
     assert _peers.holders(0, ["a"], 1) == []
 
 
-def test_a_part_goes_to_a_peer_and_comes_back_whole(peer, tmp_path):
-    part = _part(tmp_path / "mine")
-    peer.put(0, 3, 12, part)
-    assert peer.accepted == [(3, 12)]
-    copy = tmp_path / "copies" / "3" / "12"
+def test_a_part_goes_to_a_peer_and_comes_back_whole(peer):
+    part = _part(peer.root / "12")
+    peer.put(0, 3, 12, "12")
+    assert peer.checked == [(3, 12)]
+    copy = peer.root / "replicas" / "3" / "12"
     assert (copy / "packed" / "0-of-1.bin").read_bytes() == (
         part / "packed" / "0-of-1.bin"
     ).read_bytes()
-    _part(tmp_path / "parts" / "3" / "12")
-    peer.get(0, 3, 12, tmp_path / "back")
-    assert (tmp_path / "back" / "data.json").read_text() == '{"position": 3}'
+    peer.get(0, 3, 12, "back")
+    assert (peer.root / "back" / "data.json").read_text() == '{"position": 3}'
+    assert _peers.copies(peer.root) == {3: [12]}
     with pytest.raises(_peers.PeerError, match="has no copy of process 3's step 13"):
-        peer.get(0, 3, 13, tmp_path / "none")
+        peer.get(0, 3, 13, "none")
 
 
-def _raw(peer, header, body=b""):
-    host, port, _, _ = peer.addresses[0]
-    with socket.create_connection((host, port), timeout=30) as conn:
-        raw = json.dumps(header).encode()
-        conn.sendall(struct.pack(">I", len(raw)) + raw + body)
+def test_keep_copies_of_each_owner_are_kept(peer):
+    for step in (2, 4, 6):
+        _part(peer.root / str(step), fill=step)
+        peer.put(0, 1, step, str(step))
+    assert _peers.copies(peer.root) == {1: [4, 6]}
+
+
+class _Relay:
+    """A man in the middle between the peers and the listener: it passes every byte on,
+    and records what the client sent on each connection."""
+
+    def __init__(self, to):
+        self.to, self.sent = to, []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.to, timeout=30)
+            record = bytearray()
+            self.sent.append(record)
+            threading.Thread(
+                target=self._pump, args=(client, upstream, record), daemon=True
+            ).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink, record):
+        try:
+            while chunk := source.recv(1 << 16):
+                if record is not None:
+                    record += chunk
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def _replay(address, raw):
+    """Sends `raw` on a new connection to the listener: its reply."""
+    with socket.create_connection(address, timeout=30) as conn:
+        _peers._read_header(conn)  # this connection's challenge, ignored
+        conn.sendall(raw)
         return _peers._read_header(conn)
 
 
+def test_a_captured_put_replayed_later_is_refused_and_rolls_nothing_back(peer):
+    host, port, key, machine = peer.addresses[0]
+    relay = _Relay((host, port))
+    peer.addresses[0] = _peers.Address("127.0.0.1", relay.port, key, machine)
+    _part(peer.root / "12", fill=12)
+    peer.put(0, 1, 12, "12")
+    (captured,) = relay.sent
+    assert key.hex().encode() not in captured and key not in captured  # never on the wire
+    _part(peer.root / "14", fill=14)
+    peer.put(0, 1, 14, "14")
+    reply = _replay((host, port), bytes(captured))
+    assert reply["ok"] is False and "replayed" in reply["error"]
+    assert peer.checked == [(1, 12), (1, 14)]
+    assert _peers.copies(peer.root) == {1: [12, 14]}
+
+
+def test_a_put_never_rolls_copies_back(peer):
+    for step in (14, 12):
+        _part(peer.root / str(step), fill=step)
+    peer.put(0, 1, 14, "14")
+    with pytest.raises(_peers.PeerError, match="never rolled back"):
+        peer.put(0, 1, 12, "12")
+    assert _peers.copies(peer.root) == {1: [14]}
+    peer.put(0, 1, 14, "14")  # the same step again: it replaces the copy
+    assert _peers.copies(peer.root) == {1: [14]}
+    assert peer.tried == [(1, 14), (1, 12), (1, 14)]  # each put that was over, refused too
+
+
+def _raw(peer, header, body=b"", *, key=None, challenge=None):
+    """A request as a hostile peer may send it: signed with `key` (the listener's, by
+    default; False: unsigned) over `challenge` (this connection's, by default)."""
+    host, port, own, _ = peer.addresses[0]
+    with socket.create_connection((host, port), timeout=30) as conn:
+        sent = _peers._read_header(conn)["challenge"]
+        if key is not False:
+            mac = _peers._mac(key or own, challenge or sent, header)
+            header = {**header, "mac": mac}
+        raw = json.dumps(header).encode()
+        conn.sendall(struct.pack(">I", len(raw)) + raw + body)
+        reply = _peers._read_header(conn)
+        if header.get("op") == "put" and reply.get("ok"):  # "send the files": they were
+            reply = _peers._read_header(conn)
+        return reply
+
+
 @pytest.mark.parametrize(
-    "header",
-    [
-        {"token": "0" * 32, "op": "get", "owner": 0, "step": 1},
-        {"op": "get", "owner": 0, "step": 1},
-        {"token": None, "op": "put", "owner": 0, "step": 1, "files": []},
-    ],
+    "signing",
+    [{"key": False}, {"key": b"0" * 16}, {"challenge": "0" * 32}],
+    ids=["unsigned", "another-key", "another-challenge"],
 )
-def test_a_request_without_the_token_is_refused(peer, header, tmp_path):
-    _part(tmp_path / "parts" / "0" / "1")
-    reply = _raw(peer, header)
-    assert reply == {"ok": False, "error": "a request without this job's token"}
-    assert not (tmp_path / "copies").exists()
+def test_a_request_not_signed_for_its_connection_is_refused(peer, signing):
+    (peer.root / "replicas" / "0" / "1").mkdir(parents=True)
+    for header in (
+        {"op": "get", "owner": 0, "step": 1},
+        {"op": "put", "owner": 0, "step": 2, "files": []},
+    ):
+        reply = _raw(peer, header, **signing)
+        assert reply["ok"] is False and "not signed with this listener's key" in reply["error"]
+    assert peer.checked == peer.tried == [] and _peers.copies(peer.root) == {0: [1]}
 
 
 @pytest.mark.parametrize(
     "rel", ["../outside", "/etc/passwd", "a/../../outside", "a//b", "", "a\\b", ".."]
 )
 def test_no_file_of_a_copy_lands_outside_its_folder(peer, tmp_path, rel):
-    token = peer.addresses[0][2]
     files = [[rel, 4, "0" * 32]]
-    reply = _raw(
-        peer, {"token": token, "op": "put", "owner": 0, "step": 1, "files": files}, b"abcd"
-    )
+    reply = _raw(peer, {"op": "put", "owner": 0, "step": 1, "files": files}, b"abcd")
     assert reply["ok"] is False and "outside the folder" in reply["error"]
-    assert not (tmp_path / "outside").exists() and peer.accepted == []
+    assert not (tmp_path / "outside").exists() and peer.checked == []
 
 
-def test_a_copy_that_arrives_changed_is_refused(peer, tmp_path):
-    token = peer.addresses[0][2]
+def test_a_copy_that_arrives_changed_is_refused(peer):
     files = [["x.bin", 4, "0" * 32]]  # not the hash of b"abcd"
-    reply = _raw(
-        peer, {"token": token, "op": "put", "owner": 0, "step": 1, "files": files}, b"abcd"
-    )
+    reply = _raw(peer, {"op": "put", "owner": 0, "step": 1, "files": files}, b"abcd")
     assert reply["ok"] is False and "checksum mismatch" in reply["error"]
-    assert peer.accepted == [] and not any((tmp_path / "copies").rglob("x.bin"))
+    assert peer.checked == [] and not any(peer.root.rglob("x.bin"))
+
+
+def _outside(tmp_path):
+    outside = tmp_path / "outside"
+    _part(outside / "5")
+    return outside
+
+
+def test_a_get_follows_no_link(peer, tmp_path, caplog):
+    """`replicas/<owner>` a link to a folder elsewhere: nothing is served from there."""
+    (peer.root / "replicas").mkdir()
+    (peer.root / "replicas" / "3").symlink_to(_outside(tmp_path))
+    with pytest.raises(_peers.PeerError, match="is a link"):
+        peer.get(0, 3, 5, "back")
+    assert not any((peer.root / "back").rglob("*"))
+    with caplog.at_level(logging.WARNING, "jaxckpt"):
+        assert _peers.copies(peer.root) == {}
+    assert "is a link" in caplog.text
+
+
+@pytest.mark.parametrize("link", ["replicas", "replicas/1"])
+def test_a_put_follows_no_link(peer, tmp_path, link):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (peer.root / "replicas").mkdir(exist_ok=link != "replicas")
+    if link == "replicas":
+        (peer.root / "replicas").rmdir()
+    (peer.root / link).symlink_to(outside)
+    _part(peer.root / "12")
+    with pytest.raises(_peers.PeerError, match="is a link"):
+        peer.put(0, 1, 12, "12")
+    assert list(outside.iterdir()) == [] and peer.checked == []
+
+
+def test_a_part_holding_a_link_is_never_sent(peer, tmp_path):
+    part = _part(peer.root / "12")
+    (part / "data.json").unlink()
+    (part / "data.json").symlink_to(_outside(tmp_path) / "5" / "data.json")
+    with pytest.raises(_peers.PeerError, match=r"data\.json is a link"):
+        peer.put(0, 1, 12, "12")
+    assert peer.checked == []
+
+
+def test_a_deletion_follows_no_link(peer, tmp_path):
+    """A leftover or a copy swapped for a link is deleted as a link: what it points to
+    stays."""
+    outside = _outside(tmp_path)
+    at = peer.root / "replicas" / "1"
+    at.mkdir(parents=True)
+    (at / "7.jaxckpt-tmp").symlink_to(outside / "5")
+    (at / "8").symlink_to(outside / "5")
+    _part(at / "9")
+    _peers.sweep(peer.root)
+    assert sorted(p.name for p in at.iterdir()) == ["8", "9"]
+    assert _peers.copies(peer.root) == {1: [9]}  # the link is no copy
+    _peers.drop_copies(peer.root, 0)
+    assert sorted(p.name for p in at.iterdir()) == ["8"]
+    _peers.discard(at / "8")
+    assert list(at.iterdir()) == [] and (outside / "5" / "data.json").exists()
 
 
 @pytest.mark.parametrize(
     "header",
     [
-        {"token": "t", "op": "delete", "owner": 0, "step": 1},
-        {"token": "t", "op": "get", "owner": -1, "step": 1},
-        {"token": "t", "op": "get", "owner": True, "step": 1},
-        {"token": "t", "op": "put", "owner": 0, "step": 1, "files": "x"},
-        {"token": "t", "op": "put", "owner": 0, "step": 1, "files": [["a", -1, "h"]]},
+        {"op": "delete", "owner": 0, "step": 1},
+        {"op": "get", "owner": -1, "step": 1},
+        {"op": "get", "owner": True, "step": 1},
+        {"op": "put", "owner": 0, "step": 1, "files": "x"},
+        {"op": "put", "owner": 0, "step": 1, "files": [["a", -1, "h"]]},
     ],
 )
 def test_a_malformed_request_is_refused(peer, header):
-    header["token"] = peer.addresses[0][2]
     assert _raw(peer, header)["ok"] is False
 
 
-def test_a_header_too_big_or_not_json_closes_the_connection_only(peer, tmp_path):
+def test_a_header_too_big_or_not_json_closes_the_connection_only(peer):
     host, port, _, _ = peer.addresses[0]
     for raw in (struct.pack(">I", 2**31), struct.pack(">I", 5) + b"nope!"):
         with socket.create_connection((host, port), timeout=30) as conn:
+            _peers._read_header(conn)
             conn.sendall(raw)
             assert _peers._read_header(conn)["ok"] is False
-    part = _part(tmp_path / "mine")  # the listener still serves
-    peer.put(0, 1, 2, part)
-    assert peer.accepted == [(1, 2)]
+    _part(peer.root / "2")  # the listener still serves
+    peer.put(0, 1, 2, "2")
+    assert peer.checked == [(1, 2)]

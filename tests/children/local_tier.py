@@ -1,15 +1,24 @@
-"""The jobs of tests/test_local_multihost.py (run by children.job in every process): a small
-training run with a local tier (each process its own directory) and a persistent one, killed
-or not, resumed or not, reporting what each process holds at the end.
+"""The jobs of tests/test_local_multihost.py and tests/test_local_*.py (run by children.job in
+every process): a small training run with a local tier (each process its own directory) and
+a persistent one, killed or not, resumed or not, reporting what each process holds at the end.
 
-`job.args`: persistent (the shared directory), local (a folder with `{process}` in it, or a
-list of one folder a process: each process's own directory), start (0: from scratch; "latest": restore the latest step first),
-stop (the last step to train), kill_after (SIGKILL every process once this step's saves,
-copies included, are written on every process), kill_in_local_write (process 1 SIGKILLs itself inside its local write of this step,
-before the rename; the others stop after writing theirs), data (restore the iterator too),
-replicas (LocalTier's, 1 by default), restore_step (the step to restore, None: the latest).
+`train`'s `job.args`: persistent (the shared directory), local (a folder with `{process}` in
+it, or a list of one folder a process: each process's own directory), start (0: from
+scratch; "latest": restore the latest step first), stop (the last step to train),
+kill_after (the saves before it waited for, every process SIGKILLs itself right after
+`wait()` of this step returned: no barrier, as a job that is preempted then), copy_first (with kill_after: process 1
+saves that step only once process 0's copy of it reached process 1, so that process 1's
+copy is the last one sent), kill_in_local_write (the saves before it waited for, process 1
+SIGKILLs itself inside its local write of this step, before the rename; the others stop
+after writing theirs), data (restore the iterator too), replicas (LocalTier's, 1 by
+default), copy_timeout_s (LocalTier's, if given), restore_step (the step to restore, None:
+the latest).
+
+`freeze`: a peer stopped (SIGSTOP) while copies go to it. `unreadable`: one process whose
+local directory it cannot read.
 """
 
+import logging
 import os
 import signal
 import time
@@ -92,13 +101,28 @@ def manager(job: Job) -> jaxckpt.CheckpointManager:
     local = (
         local[job.process_id] if isinstance(local, list) else local.format(process=job.process_id)
     )
+    options = {"replicas": job.args.get("replicas", 1)}
+    if "copy_timeout_s" in job.args:
+        options["copy_timeout_s"] = job.args["copy_timeout_s"]
     return jaxckpt.CheckpointManager(
         job.args["persistent"],
         policy=jaxckpt.SavePolicy(every_steps=10),
-        local=jaxckpt.LocalTier(
-            local, every_steps=2, keep_last=2, replicas=job.args.get("replicas", 1)
-        ),
+        local=jaxckpt.LocalTier(local, every_steps=2, keep_last=2, **options),
     )
+
+
+def local_dir(job: Job, process: int) -> Path:
+    local = job.args["local"]
+    return Path(local[process] if isinstance(local, list) else local.format(process=process))
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    """Until `path` exists (another process's doing), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def arm_kill_in_local_write(job: Job, step: int) -> None:
@@ -147,13 +171,17 @@ def train(job: Job) -> dict:
             state = update(state, jax.random.fold_in(key, step))
             data.advance()
             if mngr.should_save(step):
+                if step in (kill_in, job.args.get("kill_after")):
+                    mngr.wait()  # nothing else in flight (a commit) when a process dies
+                copy_first = job.args.get("copy_first") and job.process_id == 1
+                if step == job.args.get("kill_after") and copy_first:
+                    wait_for(local_dir(job, 1) / "replicas" / "0" / str(step))
                 mngr.save(step, state=state, rng=key, data=data)
             if step == kill_in:
                 mngr.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == job.args.get("kill_after"):
-                mngr.wait()  # this process's part written, and its copies received...
-                multihost_utils.sync_global_devices("copies")  # ...as every other's
+                mngr.wait()  # its part written, its copies sent, its peers' received
                 os.kill(os.getpid(), signal.SIGKILL)
         mngr.wait()
         report.update(
@@ -163,4 +191,100 @@ def train(job: Job) -> dict:
             latest=mngr.latest_step(),
             persistent=mngr.all_steps(),
         )
+    return report
+
+
+class _Warnings(logging.Handler):
+    """The jaxckpt warnings logged, in order."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _run_state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def freeze(job: Job) -> dict:
+    """Both processes save up to step 12 (local and persistent), then process 0 stops
+    process 1 (SIGSTOP) and saves steps 14 and 16 to its local tier, whose copies go to
+    process 1, and waits; it reports whether process 1 was still stopped when each call
+    returned, and what was logged before; then it resumes process 1. Process 1 saves 14 and
+    16 too (no collective between the two barriers: a stopped process could time one out)."""
+    m_ = mesh()
+    data = Iterator(job.process_id)
+    pids = [int(p) for p in multihost_utils.process_allgather(np.int64(os.getpid()))]
+    report = {}
+    with manager(job) as mngr:
+        state, key = initial(m_), jax.random.key(1234)
+        for step in range(1, 13):
+            state = update(state, jax.random.fold_in(key, step))
+            data.advance()
+            if mngr.should_save(step):
+                mngr.save(step, state=state, rng=key, data=data)
+        mngr.wait()
+        multihost_utils.sync_global_devices("frozen")
+        warnings = _Warnings()
+        logging.getLogger("jaxckpt").addHandler(warnings)
+        if job.process_id == 0:
+            os.kill(pids[1], signal.SIGSTOP)
+        mngr.save(14, state=state, rng=key, data=data)
+        mngr.save(16, state=state, rng=key, data=data)
+        if job.process_id == 0:
+            report["stopped_after_save"] = _run_state(pids[1]) == "T"
+            report["warned_before_save_returned"] = list(warnings.messages)
+        mngr.wait()
+        if job.process_id == 0:
+            report["stopped_after_wait"] = _run_state(pids[1]) == "T"
+            report["warned_by_wait"] = list(warnings.messages)
+            os.kill(pids[1], signal.SIGCONT)
+        multihost_utils.sync_global_devices("done")
+        report["latest"] = mngr.latest_step()
+    return report
+
+
+def unreadable(job: Job) -> dict:
+    """One process (unprivileged: it drops root first, for which no mode is unreadable)
+    saves steps 1 to 12, makes its local directory unreadable (mode 000), and reports what
+    a restarted job's latest_step, restore and save + wait give: [result] or [error type,
+    message] each."""
+    if os.geteuid() == 0:
+        os.setgid(job.args["uid"])
+        os.setuid(job.args["uid"])
+    m_ = mesh()
+    with manager(job) as mngr:
+        state = initial(m_)
+        for step in range(1, 13):
+            if mngr.should_save(step):
+                mngr.save(step, state=state)
+    local = local_dir(job, 0)
+    local.chmod(0)
+    report = {}
+    with manager(job) as mngr:
+
+        def attempt(name, call):
+            try:
+                report[name] = [call()]
+            except Exception as e:
+                report[name] = [type(e).__name__, str(e)]
+
+        attempt("latest", mngr.latest_step)
+        attempt("restore", lambda: (r := mngr.restore(state=target(m_))) and [r.step, r.tier])
+
+        def save_and_wait():
+            mngr.save(14, state=state)
+            mngr.wait()
+
+        attempt("save", save_and_wait)
+        try:
+            mngr.close()
+        except Exception as e:
+            report["close"] = [type(e).__name__, str(e)]
+    local.chmod(0o755)
     return report
