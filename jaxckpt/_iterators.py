@@ -114,9 +114,9 @@ def with_own_addresses(saved: bytes, data: Any) -> bytes:
     changed = False
     for key in LOADER_CONFIG:
         a, b = state.get(key), own.get(key)
-        if isinstance(a, str) and isinstance(b, str) and a != b:
-            if _unaddressed(a) == _unaddressed(b):
-                state[key], changed = b, True
+        alike = isinstance(a, str) and isinstance(b, str) and _unaddressed(a) == _unaddressed(b)
+        if alike and a != b:
+            state[key], changed = b, True
     return json.dumps(state, indent=4).encode("utf-8") if changed else saved
 
 
