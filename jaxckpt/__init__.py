@@ -6,16 +6,11 @@ The public API is what this module re-exports; everything else may change.
 from jaxckpt import errors as errors
 from jaxckpt._diff import StepDiff as StepDiff
 from jaxckpt._diff import diff as diff
-from jaxckpt._hf_export import export_safetensors as export_safetensors
-from jaxckpt._hf_files import ExportResult as ExportResult
-from jaxckpt._hf_import import load_safetensors as load_safetensors
-from jaxckpt._hf_live import save_safetensors as save_safetensors
 from jaxckpt._integrity import StepReport as StepReport
 from jaxckpt._integrity import verify as verify
 from jaxckpt._local import LocalTier as LocalTier
 from jaxckpt._manager import CheckpointManager as CheckpointManager
 from jaxckpt._manager import Restored as Restored
-from jaxckpt._names import NameMap as NameMap
 from jaxckpt._plan import ProcessPlan as ProcessPlan
 from jaxckpt._plan import RestorePlan as RestorePlan
 from jaxckpt._policy import RetentionPolicy as RetentionPolicy
@@ -26,5 +21,10 @@ from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
 from jaxckpt._to_orbax import export_orbax as export_orbax
 from jaxckpt._tree import leaf_name as leaf_name
+from jaxckpt.hf import ExportResult as ExportResult
+from jaxckpt.hf import NameMap as NameMap
+from jaxckpt.hf import export_safetensors as export_safetensors
+from jaxckpt.hf import load_safetensors as load_safetensors
+from jaxckpt.hf import save_safetensors as save_safetensors
 
 __version__ = "0.1.0"

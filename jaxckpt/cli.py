@@ -48,7 +48,7 @@ EXIT_ERROR, EXIT_USAGE = 1, 2
 # one of these errors through the CLI, so a reworded library message fails a test rather
 # than leaking a Python argument into the CLI's output.
 CLI_WORDS = (
-    # OutputExistsError (jaxckpt._hf_files)
+    # OutputExistsError (jaxckpt.hf._files)
     ("choose another directory or pass overwrite=True", "choose another OUT or pass --overwrite"),
     # StepNotFoundError (jaxckpt.errors)
     (
@@ -60,7 +60,7 @@ CLI_WORDS = (
         "Restore another step, or pass fallback=True to restore the newest step that verifies.",
         "Use another step (--step N); `jaxckpt ls DIR --verify` shows which steps verify.",
     ),
-    # UnsupportedValueError (jaxckpt._hf_files.SKIP_HINT)
+    # UnsupportedValueError (jaxckpt.hf._files.SKIP_HINT)
     (
         "leave them out with exclude=, drop them in the name map, or pass skip_unsupported=True",
         "leave them out with --exclude, drop them in the name map, or omit --no-skip-unsupported",

@@ -40,7 +40,7 @@ def test_readme_name_map_example_places_leaves():
     """README, "Name maps": the YAML example loads and places leaves as its comments say."""
     import yaml
 
-    from jaxckpt._names import NameMap
+    from jaxckpt.hf._names import NameMap
 
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("#### Name maps") :]

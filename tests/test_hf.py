@@ -680,7 +680,7 @@ def test_live_export_of_column_sharded_rows_short_and_long(mesh, tmp_path, monke
     """Rows split across devices along the last axis: short row segments are copied side by
     side in blocks (one block, or many when COPY_BLOCK_BYTES is tiny), long ones written
     from the shards' own memory; both give the bytes safetensors reads back."""
-    from jaxckpt import _safetensors
+    from jaxckpt.hf import _format as _safetensors
 
     monkeypatch.setattr(_safetensors, "COPY_BLOCK_BYTES", copy_block)
     rng = np.random.default_rng(1)
@@ -735,7 +735,7 @@ def test_export_refuses_a_corrupt_step(small_checkpoint, tmp_path, damage, probl
     ids=["3d-last-axis", "1d", "many-rows", "whole-rows"],
 )
 def test_write_rows_gathers_side_by_side_pieces(tmp_path, shape, cuts):
-    from jaxckpt import _safetensors as st
+    from jaxckpt.hf import _format as st
 
     full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     path = tmp_path / "t.bin"
@@ -754,7 +754,7 @@ def test_write_rows_gathers_side_by_side_pieces(tmp_path, shape, cuts):
 
 
 def test_write_rows_refuses_what_is_not_a_block_of_whole_rows(tmp_path):
-    from jaxckpt import _safetensors as st
+    from jaxckpt.hf import _format as st
 
     full = np.arange(48, dtype=np.float32).reshape(4, 3, 4)
     fd = os.open(tmp_path / "t.bin", os.O_WRONLY | os.O_CREAT)

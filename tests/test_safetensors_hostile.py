@@ -14,8 +14,8 @@ import safetensors.numpy
 from etils import epath
 
 import jaxckpt
-from jaxckpt import _safetensors as st
 from jaxckpt import errors
+from jaxckpt.hf import _format as st
 
 INDEX = "model.safetensors.index.json"
 E = b'"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}'  # one valid entry, 4 bytes of data

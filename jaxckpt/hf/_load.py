@@ -20,17 +20,6 @@ import numpy as np
 from etils import epath
 from jax import tree_util
 
-from jaxckpt import _safetensors as st
-from jaxckpt._hf_files import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    file_shape,
-    is_float,
-    lengths,
-    reshape_blocks,
-    within,
-)
-from jaxckpt._names import NameMap, Placement
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import (
@@ -41,6 +30,17 @@ from jaxckpt.errors import (
     TreeMismatchError,
     UnsupportedValueError,
 )
+from jaxckpt.hf import _format as st
+from jaxckpt.hf._files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    file_shape,
+    is_float,
+    lengths,
+    reshape_blocks,
+    within,
+)
+from jaxckpt.hf._names import NameMap, Placement
 
 MAX_INDEX = 100 * 1000 * 1000  # bytes; real indexes are kilobytes to a few megabytes
 

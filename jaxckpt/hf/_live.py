@@ -13,12 +13,12 @@ import numpy as np
 from jax import tree_util
 from jax.experimental import multihost_utils
 
-from jaxckpt import _hf_files
-from jaxckpt import _safetensors as st
-from jaxckpt._names import NameMap, Placement
 from jaxckpt._storage import is_remote
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import ConfigError
+from jaxckpt.hf import _files
+from jaxckpt.hf import _format as st
+from jaxckpt.hf._names import NameMap, Placement
 
 LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
 
@@ -35,7 +35,7 @@ def save_safetensors(
     skip_unsupported: bool = True,
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
-) -> _hf_files.ExportResult:
+) -> _files.ExportResult:
     """Writes a live (sharded) state as HF safetensors from inside a training job.
 
     Every process calls it with the same arguments. The file layout follows from names,
@@ -55,13 +55,13 @@ def save_safetensors(
             "object storage cannot take each process's bytes at their offsets. Save a "
             "checkpoint and export it with jaxckpt.export_safetensors (or `jaxckpt export`)."
         )
-    out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
-    limit = _hf_files.parse_size(max_shard_size)
+    out_dir, cast, meta = _files.check_output(out_dir, overwrite, dtype, metadata)
+    limit = _files.parse_size(max_shard_size)
     primary = jax.process_index() == 0
     flat = tree_util.tree_flatten_with_path(state)[0]
     # Arrays as given, Python scalars as NumPy arrays: each with a shape and a dtype.
     leaves = {leaf_name(p): x if hasattr(x, "dtype") else np.asarray(x) for p, x in flat}
-    leaves = _hf_files.select(leaves, include, exclude)
+    leaves = _files.select(leaves, include, exclude)
     placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
     prng_key = jax.dtypes.prng_key
     keys = [p.leaf for p in placements if jax.dtypes.issubdtype(leaves[p.leaf].dtype, prng_key)]
@@ -75,13 +75,13 @@ def save_safetensors(
         return host[name]
 
     # Produced only on object storage: locally each process writes its shards by region.
-    unsupported = _hf_files.cannot_hold(placements, leaves, keys, cast)
-    files, skipped = _hf_files.plan(
+    unsupported = _files.cannot_hold(placements, leaves, keys, cast)
+    files, skipped = _files.plan(
         placements, leaves, unsupported, cast, limit, skip_unsupported, get
     )
     if remote:
-        _hf_files.write(out_dir, files, meta, overwrite, lambda: None)
-        return _hf_files.exported(out_dir, None, files, skipped)
+        _files.write(out_dir, files, meta, overwrite, lambda: None)
+        return _files.exported(out_dir, None, files, skipped)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-live")
     layouts = {f: st.encode_header([t[:3] for t in g], meta) for f, g in files.items()}
     where = {t.name: (f, layouts[f][1][t.name], t) for f, g in files.items() for t in g}
@@ -134,9 +134,9 @@ def save_safetensors(
             os.close(fd)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:written")
     if primary:
-        _hf_files.publish(tmp, out_dir, files, overwrite)
+        _files.publish(tmp, out_dir, files, overwrite)
     multihost_utils.sync_global_devices("jaxckpt.save_safetensors:done")
-    return _hf_files.exported(out_dir, None, files, skipped)
+    return _files.exported(out_dir, None, files, skipped)
 
 
 def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
@@ -194,9 +194,9 @@ def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray, s
     if placed.reshape is not None:
         inner = [n for a, n in enumerate(shape) if a != placed.split]
         pieces = [
-            (n, image, d[_hf_files.within(block, r)].reshape(_hf_files.lengths(image)))
+            (n, image, d[_files.within(block, r)].reshape(_files.lengths(image)))
             for n, r, d in pieces
-            for block, image in _hf_files.reshape_blocks(placed.reshape, r, inner)
+            for block, image in _files.reshape_blocks(placed.reshape, r, inner)
         ]
     if placed.transpose is not None:
         pieces = [
@@ -204,5 +204,5 @@ def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray, s
             for n, r, d in pieces
         ]
     if placed.scale is not None:
-        pieces = [(n, r, _hf_files.scaled(d, placed.scale)) for n, r, d in pieces]
+        pieces = [(n, r, _files.scaled(d, placed.scale)) for n, r, d in pieces]
     return pieces

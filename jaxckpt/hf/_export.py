@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxckpt import _hf_files, _integrity, _layout, _orbax
-from jaxckpt._names import NameMap
+from jaxckpt import _integrity, _layout, _orbax
 from jaxckpt._plan import read_batches
 from jaxckpt._tree import KEY, LeafSpec, uniform_requests
+from jaxckpt.hf import _files
+from jaxckpt.hf._names import NameMap
 
 log = logging.getLogger("jaxckpt")
 
@@ -40,7 +41,7 @@ def export_safetensors(
     item: str | None = None,
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
-) -> _hf_files.ExportResult:
+) -> _files.ExportResult:
     """Exports a checkpoint's state to Hugging Face-style sharded safetensors.
 
     The step is verified against its manifest first (`CorruptCheckpointError` if it does
@@ -68,8 +69,8 @@ def export_safetensors(
         the others). ConfigError for a pattern that matches no leaf.
       exclude: likewise, the leaves any of these matches are left out.
     """
-    out_dir, cast, meta = _hf_files.check_output(out_dir, overwrite, dtype, metadata)
-    limit = _hf_files.parse_size(max_shard_size)
+    out_dir, cast, meta = _files.check_output(out_dir, overwrite, dtype, metadata)
+    limit = _files.parse_size(max_shard_size)
     name_map = NameMap.load(names)
 
     store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
@@ -81,14 +82,14 @@ def export_safetensors(
             store.directory, step, store.step_dir(step), verify=not store.is_orbax(step)
         ) as check:
             info = store.info(step, item)
-            by_name = _hf_files.select({s.name: s for s in info.state}, include, exclude)
+            by_name = _files.select({s.name: s for s in info.state}, include, exclude)
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
-            unsupported = _hf_files.cannot_hold(placements, by_name, keys, cast)
+            unsupported = _files.cannot_hold(placements, by_name, keys, cast)
             written = [by_name[p.leaf] for p in placements if p.leaf not in unsupported]
             reader = _LeafReader(store, info, written)
             try:
-                files, skipped = _hf_files.plan(
+                files, skipped = _files.plan(
                     placements,
                     by_name,
                     unsupported,
@@ -98,12 +99,12 @@ def export_safetensors(
                     reader.get,
                     progress,
                 )
-                _hf_files.write(out_dir, files, meta, overwrite, before_publish=check)
+                _files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:
                 reader.close()
     finally:
         store.close()
-    done = _hf_files.exported(out_dir, step, files, skipped)
+    done = _files.exported(out_dir, step, files, skipped)
     log.info(
         "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, done.tensors, len(files)
     )

@@ -29,11 +29,11 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 from etils import epath
 
-from jaxckpt import _safetensors as st
 from jaxckpt._escape import escape
-from jaxckpt._names import Placement, reshape_text
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, NameMapError, OutputExistsError, UnsupportedValueError
+from jaxckpt.hf import _format as st
+from jaxckpt.hf._names import Placement, reshape_text
 
 log = logging.getLogger("jaxckpt")
 
