@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _layout, _orbax, _packed, _peers
+from jaxckpt import _integrity, _internals, _layout, _packed, _peers, _transfer
 from jaxckpt._peers import discard as _discard
 from jaxckpt._storage import absolute, is_remote, open_inside
 from jaxckpt._tree import ReadRequest
@@ -175,7 +175,7 @@ class LocalStore:
         if tier.replicas and jax.process_count() > 1:  # a collective: every process makes it
             self._copies = _Copies(tier.copy_timeout_s)
             self._peers = _peers.Peers(
-                tier.address or _orbax.coordinator_route(),
+                tier.address or _internals.coordinator_route(),
                 self.directory,
                 check=self._check_copy,
                 tried=self._copies.tried,
@@ -200,7 +200,7 @@ class LocalStore:
         arrays = {
             item: {n: a for n, a in leaves.items() if a.size} for item, leaves in arrays.items()
         }
-        pieces = _packed.to_host(arrays, _orbax.device_buffers, local=True)
+        pieces = _packed.to_host(arrays, _internals.device_buffers, local=True)
         packed = {item: frozenset(names) for item, names in arrays.items() if names}
         info = dataclasses.replace(info, packed=packed)
         self._pending = (
@@ -423,7 +423,7 @@ class LocalStore:
     ) -> dict[str, Any]:
         """The named arrays of one item of a local step, each onto its sharding, from this
         process's part alone (checked beforehand with `holds`)."""
-        return _orbax.read_packed(self._part(info), info, item, requests, budget, self.directory)
+        return _transfer.read_packed(self._part(info), info, item, requests, budget, self.directory)
 
     def holds(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]

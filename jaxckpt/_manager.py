@@ -29,7 +29,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _iterators, _layout, _local, _orbax
+from jaxckpt import _integrity, _internals, _iterators, _layout, _local, _orbax, _transfer
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads
@@ -567,7 +567,7 @@ class CheckpointManager:
                     step, info, wanted.data, wanted.mismatch_ok, local.directory
                 )
         except Exception as e:  # the same target fails the persistent tier too: raised there
-            return f"{type(e).__name__}: {_orbax._first_line(e)}"
+            return f"{type(e).__name__}: {_transfer.first_line(e)}"
         return None
 
     def _restore_local_step(self, step: int, wanted: _Wanted) -> Restored:
@@ -843,12 +843,12 @@ class CheckpointManager:
         """The SaveError for `step`, worded from the directory once nothing of the step is
         still running: Orbax may fail in the foreground after it started the step's commit
         in the background (a barrier with a dead process), and that commit can still land."""
-        missing = _orbax.missing_processes(error)
+        missing = _internals.missing_processes(error)
         if not background:
             try:
                 self._store.wait()  # bounded: each barrier in it times out after timeout_s
             except Exception as late:
-                missing = sorted({*missing, *_orbax.missing_processes(late)})
+                missing = sorted({*missing, *_internals.missing_processes(late)})
         committed = self._store.committed_steps()
         if self._lock is not None:
             try:  # a writer that took over may have removed the step's files: the real cause

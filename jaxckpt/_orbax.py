@@ -1,4 +1,5 @@
-"""The only module that talks to Orbax.
+"""The Orbax adapter: the persistent tier through Orbax (with `_internals`, the only modules
+that import Orbax).
 
 jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt._tree`) and small JSON documents;
 everything about handlers, restore args and Orbax's step folders stays in this file, so the
@@ -8,16 +9,11 @@ step is on disk is `jaxckpt._layout`'s.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import logging
-import re
-import socket
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -26,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _integrity, _layout, _packed
+from jaxckpt import _integrity, _internals, _layout, _packed, _transfer
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote
@@ -34,59 +30,10 @@ from jaxckpt._tree import ARRAY, KEY, PYTHON, LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
-    JaxckptError,
     NoCheckpointError,
-    RestoreError,
 )
 
 log = logging.getLogger("jaxckpt")
-
-
-# --- Orbax's and JAX's internals ---------------------------------------------------------
-# Every use of a private Orbax or JAX name, or of text Orbax or JAX do not promise, is here and
-# nowhere else; tests/test_orbax_boundary.py fails by name when an upgrade removes one (the
-# log texts below are checked by tests/test_cli_messages.py).
-#
-# Orbax logs through absl's logger: two warnings for every read-only manager, and a
-# traceback per thread for a save that failed in the background, which jaxckpt raises
-# itself as SaveError by the next save/wait/close. These known messages go to the debug
-# log (`logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)` shows them); every
-# other Orbax message passes unchanged.
-_ORBAX_NOISE = re.compile(
-    r"CheckpointManagerOptions\.read_only=True, setting save_interval_steps=0"
-    r"|Given directory is read only="
-    r"|Failed to run \d+ Handler Commit operations or the Commit callback in background"
-    r"|_SignalingThread\.run\(\) raised an exception"
-    r"|Save Finalize thread \(\w+\) failed"
-    r"|Checkpointer failed: one or more items may not be finalized"
-)
-_orbax_debug_log = log.getChild("orbax")
-
-
-def _demote_orbax_noise(record: logging.LogRecord) -> bool:
-    """A filter on absl's logger: the known messages above are handed to jaxckpt.orbax's
-    handlers at DEBUG level (if enabled there) instead of absl's; all else passes."""
-    try:
-        noise = bool(_ORBAX_NOISE.search(record.getMessage()))
-    except Exception:  # a record whose arguments do not format: not ours to judge
-        return True
-    if not noise:
-        return True
-    if _orbax_debug_log.isEnabledFor(logging.DEBUG):
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        _orbax_debug_log.handle(record)
-    return False
-
-
-logging.getLogger("absl").addFilter(_demote_orbax_noise)
-
-
-def _wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
-    """Waits for a step's commit that Orbax runs in the background. `wait_until_finished`
-    waits only for the manager's finalize thread, which its save starts last: when that save
-    failed after starting the commit (a barrier meeting a dead process), only the manager's
-    checkpointer knows of the commit still running."""
-    mngr._checkpointer.wait_until_finished()
 
 
 class _UnlistedSteps:
@@ -108,120 +55,6 @@ class _UnlistedSteps:
     def find_all(self, base_path: epath.PathLike) -> Iterator[Any]:
         return iter(())
 
-
-def _array_metadata_store() -> Any:
-    """Orbax's default store of per-host ArrayMetadata (PRNG key impls among them), which an
-    `ArrayHandler` built by hand has only when given it."""
-    from orbax.checkpoint._src.metadata import array_metadata_store
-
-    return array_metadata_store.Store()
-
-
-def _key_impls(item_dir: epath.Path) -> dict[str, str]:
-    """The PRNG impl of each typed-key leaf of a plain Orbax pytree item, by leaf name:
-    Orbax records it in the item's per-process ArrayMetadata (`array_metadatas/`), not in
-    its tree metadata, which has the key data's uint32 shape only."""
-    if not (item_dir / "array_metadatas").exists():
-        return {}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # whatever loop the caller runs
-        found = pool.submit(asyncio.run, _array_metadata_store().read(item_dir)).result()
-    per_process = found.values() if isinstance(found, dict) else [found or []]
-    return {
-        m.param_name: m.ext_metadata["random_key_impl"]
-        for metas in per_process
-        for m in metas
-        if (m.ext_metadata or {}).get("random_key_impl")
-    }
-
-
-def device_buffers(array: jax.Array) -> list[jax.Array]:
-    """An array's addressable single-device arrays, in the order of `addressable_shards`,
-    in one call: `addressable_shards` builds a Shard (its index, its replica id) for each,
-    and `addressable_data(i)` all of them for each i; at thousands of small leaves either
-    doubled the save's blocking time."""
-    return array._arrays
-
-
-def _put_batched(hosts: list[np.ndarray], sharding: jax.sharding.Sharding) -> list[jax.Array]:
-    """Host arrays of canonical dtypes onto one sharding of this process's devices: the
-    per-array step of `jax.device_put(hosts, sharding)` without its per-array checks and
-    abstractions, which were ~40% of placing thousands of small leaves."""
-    from jax._src.interpreters import pxla
-
-    out = []
-    for host in hosts:
-        devices, slices = _device_slices(sharding, host.shape)
-        aval = _aval(host.shape, host.dtype)
-        out.append(pxla.batched_device_put(aval, sharding, [host[i] for i in slices], devices))
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _device_slices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple:
-    """This process's devices of `sharding` and the index of each one's shard of `shape`
-    (the caller must not change the list)."""
-    indices = sharding.addressable_devices_indices_map(shape)
-    return list(indices), tuple(indices.values())
-
-
-@functools.lru_cache(maxsize=1024)
-def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    from jax._src import core
-
-    return core.ShapedArray(shape, dtype)
-
-
-# Recorded (jax.monitoring) in Orbax's background save once this process's arrays of a step
-# are written, before the barrier between processes and the commit.
-_WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
-
-
-@contextlib.contextmanager
-def on_writes_done(callback: Callable[[], None]) -> Iterator[None]:
-    """Calls `callback()` in the background save each time this process's arrays of a step
-    are written, before its commit: where tests and reliability trials kill, freeze or
-    fail a writer, at that moment for sure rather than by timing."""
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == _WRITES_DONE_EVENT:
-            callback()
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def missing_processes(error: BaseException) -> list[int]:
-    """The processes a multi-host barrier waited for in vain, as JAX's coordination service
-    names them: after the barrier timeout, or after a dead task's heartbeat timeout."""
-    text = str(error)
-    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
-    tasks = re.findall(r"\d+", found.group(1)) if found else []
-    tasks += re.findall(r"Task (\d+) heartbeat timeout", text)
-    return sorted({int(t) for t in tasks})
-
-
-def coordinator_route() -> str:
-    """This host's address towards JAX's coordinator (`jax.distributed.initialize`'s): the
-    address its peers reach it at (127.0.0.1 in a job on one machine). No packet is sent:
-    a UDP socket's connect only picks the route."""
-    from jax._src import distributed
-
-    address = distributed.global_state.coordinator_address
-    if not address:
-        return "127.0.0.1"
-    host, _, port = address.rpartition(":")
-    family, kind, proto, _, where = socket.getaddrinfo(
-        host.strip("[]"), int(port), type=socket.SOCK_DGRAM
-    )[0]
-    with socket.socket(family, kind, proto) as s:
-        s.connect(where)
-        return s.getsockname()[0]
-
-
-# --- end of Orbax's and JAX's internals -------------------------------------------------
 
 REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
 # OCDBT packs a process's writes into data files of about this size, written in parallel;
@@ -273,11 +106,11 @@ class _PackedHandler(ocp.AsyncCheckpointHandler):
     async def async_save(
         self, directory: epath.Path, args: PackedSave
     ) -> list[concurrent.futures.Future]:
-        pieces = _packed.to_host(args.items, device_buffers)
+        pieces = _packed.to_host(args.items, _internals.device_buffers)
         return [self._writer.submit(_packed.write, directory, pieces)]
 
     def save(self, directory: epath.Path, args: PackedSave) -> None:
-        _packed.write(directory, _packed.to_host(args.items, device_buffers))
+        _packed.write(directory, _packed.to_host(args.items, _internals.device_buffers))
 
     def restore(self, directory: epath.Path, args: PackedRestore | None = None) -> None:
         raise NotImplementedError("read through jaxckpt._packed.PackedStep")
@@ -527,7 +360,7 @@ class OrbaxStore:
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
         self._mngr.wait_until_finished()
-        _wait_for_background_commit(self._mngr)
+        _internals.wait_for_background_commit(self._mngr)
 
     def read_arrays(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
@@ -535,7 +368,7 @@ class OrbaxStore:
         """Reads the named arrays of one item of a step, each onto its sharding (or to the
         host); of a plain Orbax step, of its pytree item `info.item`."""
         step = info.step
-        out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
+        out = {name: _transfer.empty(r) for name, r in requests.items() if 0 in r.shape}
         to_read = {name: r for name, r in requests.items() if name not in out}
         if packed := {n: r for n, r in to_read.items() if n in info.packed.get(item, ())}:
             to_read = {n: r for n, r in to_read.items() if n not in packed}
@@ -555,7 +388,7 @@ class OrbaxStore:
             if _legacy(path):  # Orbax reads every leaf of such an item on each restore
                 batches = [list(to_read)]
         for batch in batches:
-            with _read_errors(step, item, self.directory):
+            with _transfer.read_errors(step, item, self.directory):
                 if info.orbax is None:
                     got = self._read_batch(step, item, {n: to_read[n] for n in batch})
                 else:
@@ -571,8 +404,8 @@ class OrbaxStore:
         """The packed leaves `requests` names, each process's index read once a step."""
         key = (info.folder(self.directory), info.saved_at)
         with (
-            _read_errors(info.step, item, self.directory),
-            _corrupt_if_not_jaxckpts(info.step, self.directory),
+            _transfer.read_errors(info.step, item, self.directory),
+            _transfer.corrupt_if_not_jaxckpts(info.step, self.directory),
         ):
             if key not in self._packed:
                 if len(self._packed) >= 4:  # the steps being read now, not every one read
@@ -580,7 +413,7 @@ class OrbaxStore:
                 self._packed[key] = _packed.PackedStep(
                     key[0] / _layout.PACKED, info.process_count or 1
                 )
-        return read_packed(
+        return _transfer.read_packed(
             self._packed[key], info, item, requests, self._restore_inflight_bytes, self.directory
         )
 
@@ -630,35 +463,6 @@ class OrbaxStore:
             _remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
 
 
-@contextlib.contextmanager
-def _read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
-    """Orbax's and tensorstore's errors while reading a step, as one RestoreError."""
-    try:
-        yield
-    except JaxckptError:
-        raise
-    except Exception as e:
-        raise RestoreError(
-            f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: "
-            + _first_line(e)
-        ) from e
-
-
-@contextlib.contextmanager
-def _corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
-    """A file that is not what jaxckpt writes (ValueError), or is missing, as the
-    CorruptCheckpointError it is."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as e:
-        raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an error's text (Orbax's and tensorstore's run long)."""
-    return (str(error).strip().splitlines() or [""])[0][:300]
-
-
 def _check_read(
     step: int, item: str, name: str, value: Any, request: ReadRequest, directory: epath.Path
 ) -> None:
@@ -695,7 +499,7 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
             ocp.type_handlers.ArrayHandler(
                 use_replica_parallel=jax.process_count() > 1,
                 min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-                array_metadata_store=_array_metadata_store(),
+                array_metadata_store=_internals.array_metadata_store(),
             ),
         ),
     )
@@ -736,12 +540,12 @@ def _orbax_info(
         raise ConfigError(f"step {step} in {directory}, written by Orbax, holds {held}: {ask}")
     try:
         tree = tree_of(found.item_dir(item))
-        impls = _key_impls(found.item_dir(item))
+        impls = _internals.key_impls(found.item_dir(item))
         # (None in the tree is an empty node: optax's EmptyState is saved as one)
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         specs = [_orbax_spec(path, meta, impls) for path, meta in leaves]
     except Exception as e:
-        problem = f"Orbax cannot read the metadata of its item {item!r}: {_first_line(e)}"
+        problem = f"Orbax cannot read the metadata of its item {item!r}: {_transfer.first_line(e)}"
         raise CorruptCheckpointError(step, [problem], str(directory)) from None
     return _layout.StepInfo(
         step=step,
@@ -777,7 +581,7 @@ def missing_chunks(path: epath.Path) -> list[str]:
             zarray = json.loads((leaf / ".zarray").read_text())
             grid = [-(-n // c) for n, c in zip(zarray["shape"], zarray["chunks"], strict=True)]
         except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
-            problems.append(f"{leaf.name}/.zarray is unreadable: {_first_line(e)}")
+            problems.append(f"{leaf.name}/.zarray is unreadable: {_transfer.first_line(e)}")
             continue
         if zarray.get("fill_value") is not None:
             continue
@@ -888,53 +692,9 @@ def _read_orbax_batch(
         if name in scalar and name in batch:  # Orbax hands back a Python or NumPy scalar
             value = np.asarray(value, batch[name].dtype)
             if batch[name].sharding is not None:
-                value = _on(batch[name].sharding, value)
+                value = _transfer.on(batch[name].sharding, value)
         if name in batch:
             out[name] = value
-    return out
-
-
-def read_packed(
-    packed: _packed.PackedStep,
-    info: _layout.StepInfo,
-    item: str,
-    requests: Mapping[str, ReadRequest],
-    budget: int,
-    directory: epath.Path,
-) -> dict[str, Any]:
-    """Packed leaves read and placed in batches (of at most `_packed.READ_BATCH_BYTES`, or
-    `budget`): a file that is not what jaxckpt writes is a CorruptCheckpointError, another
-    failure (of the storage itself) a RestoreError, never "corrupt", which fallback=True
-    would pass over for an older step. Zero-size leaves are made, never read."""
-    out = {name: _empty(r) for name, r in requests.items() if 0 in r.shape}
-    requests = {name: r for name, r in requests.items() if name not in out}
-    with _read_errors(info.step, item, directory):
-        for batch in read_batches(requests, min(budget, _packed.READ_BATCH_BYTES)):
-            with _corrupt_if_not_jaxckpts(info.step, directory):
-                hosts = packed.read(item, {n: requests[n] for n in batch})
-            out.update(_place(hosts, requests))
-    return out
-
-
-def _place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:
-    """Host arrays onto their requests' shardings (None: left on the host). One process:
-    all the leaves of a sharding at once; several: each process places the slices its
-    devices hold (the rest of a host array is never read)."""
-    out: dict[str, Any] = {}
-    groups: dict[jax.sharding.Sharding, list[str]] = {}
-    for name, host in hosts.items():
-        sharding = requests[name].sharding
-        if sharding is None:  # the caller's own, not a view pinning a whole read
-            out[name] = np.array(host) if host.base is not None else host
-        elif jax.process_count() > 1:
-            out[name] = _on(sharding, host)
-        else:
-            groups.setdefault(sharding, []).append(name)
-    for sharding, names in groups.items():
-        fast = [n for n in names if hosts[n].dtype == jax.dtypes.canonicalize_dtype(hosts[n].dtype)]
-        out.update(zip(fast, _put_batched([hosts[n] for n in fast], sharding), strict=True))
-        if rest := [n for n in names if n not in out]:  # e.g. float64 without jax_enable_x64
-            out.update(zip(rest, jax.device_put([hosts[n] for n in rest], sharding), strict=True))
     return out
 
 
@@ -953,17 +713,6 @@ def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
     except Exception as e:
         log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
         return False
-
-
-def _empty(request: ReadRequest) -> Any:
-    """A zero-size array (never written, see `save`) where the request wants it."""
-    host = np.zeros(request.shape, request.dtype)
-    return host if request.sharding is None else _on(request.sharding, host)
-
-
-def _on(sharding: jax.sharding.Sharding, host: np.ndarray) -> jax.Array:
-    """A host array placed on `sharding` (on every process of a multi-process job)."""
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _restore_args(request: ReadRequest) -> ocp.RestoreArgs:

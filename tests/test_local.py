@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from conftest import Iterator
-from jaxckpt import _integrity, _orbax, _packed
+from jaxckpt import _integrity, _internals, _packed
 from jaxckpt.errors import ConfigError, SaveError
 
 
@@ -180,7 +180,7 @@ def test_a_local_save_does_not_wait_for_a_persistent_save_in_flight(mesh, tmp_pa
     release = threading.Event()
     with (
         _manager(tmp_path) as m,
-        _orbax.on_writes_done(lambda: release.wait(60)),  # the persistent write, frozen
+        _internals.on_writes_done(lambda: release.wait(60)),  # the persistent write, frozen
     ):
         m.save(10, state=_state(mesh, 10))  # persistent (and local: 10 is even)
         start = time.monotonic()

@@ -7,7 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import jaxckpt
-from jaxckpt import _orbax
+from jaxckpt import _internals, _orbax
 
 
 def test_the_managers_checkpointer_is_there_to_wait_for(tmp_path):
@@ -15,15 +15,15 @@ def test_the_managers_checkpointer_is_there_to_wait_for(tmp_path):
     try:
         assert callable(mngr._checkpointer.wait_until_finished), (
             "orbax.checkpoint.CheckpointManager._checkpointer.wait_until_finished is gone: "
-            "update _orbax._wait_for_background_commit"
+            "update _internals.wait_for_background_commit"
         )
-        _orbax._wait_for_background_commit(mngr)
+        _internals.wait_for_background_commit(mngr)
     finally:
         mngr.close()
 
 
 def test_the_array_metadata_store_is_orbaxs_default():
-    store = _orbax._array_metadata_store()
+    store = _internals.array_metadata_store()
     assert type(store).__module__.startswith("orbax.checkpoint._src.metadata"), type(store)
 
 
@@ -33,11 +33,11 @@ def test_writes_done_is_announced_before_the_commit(tmp_path):
     def writes_done():
         seen.append(sorted(p.name for p in tmp_path.iterdir() if p.name != ".jaxckpt-writer.lock"))
 
-    with _orbax.on_writes_done(writes_done), jaxckpt.CheckpointManager(tmp_path) as m:
+    with _internals.on_writes_done(writes_done), jaxckpt.CheckpointManager(tmp_path) as m:
         m.save(1, state={"x": np.arange(8.0)})
         m.wait()
     assert seen == [["1.orbax-checkpoint-tmp"]], (
-        f"Orbax no longer records {_orbax._WRITES_DONE_EVENT} once a save's arrays are "
+        f"Orbax no longer records {_internals.WRITES_DONE_EVENT} once a save's arrays are "
         f"written and before its commit (seen: {seen})"
     )
 
@@ -65,10 +65,10 @@ def test_orbax_records_a_typed_keys_impl_in_its_array_metadata(tmp_path):
 
     with ocp.CheckpointManager(tmp_path) as m:
         m.save(1, args=ocp.args.StandardSave({"k": jax.random.key(0, impl="rbg"), "w": np.ones(2)}))
-    impls = _orbax._key_impls(tmp_path / "1" / "default")
+    impls = _internals.key_impls(tmp_path / "1" / "default")
     assert impls == {"k": "rbg"}, (
         f"Orbax's array_metadatas/ no longer name a typed key's impl as ext_metadata "
-        f"random_key_impl (found {impls}): update _orbax._key_impls"
+        f"random_key_impl (found {impls}): update _internals.key_impls"
     )
 
 
@@ -78,10 +78,10 @@ def test_an_arrays_device_buffers_come_in_the_order_of_its_shards(mesh):
     from jax.sharding import PartitionSpec as P
 
     x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
-    buffers = _orbax.device_buffers(x)
+    buffers = _internals.device_buffers(x)
     assert [b.devices() for b in buffers] == [{s.device} for s in x.addressable_shards], (
         "jax.Array._arrays no longer lists the single-device arrays in the order of "
-        "addressable_shards: update _orbax.device_buffers"
+        "addressable_shards: update _internals.device_buffers"
     )
     for b, s in zip(buffers, x.addressable_shards, strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(s.data))
@@ -94,7 +94,7 @@ def test_jaxs_batched_device_put_places_host_arrays_as_device_put_does(mesh):
 
     sharding = NamedSharding(mesh, P("data", "model"))
     hosts = [np.arange(64, dtype=np.float32).reshape(8, 8) + i for i in range(3)]
-    got = _orbax._put_batched(hosts, sharding)
+    got = _internals.put_batched(hosts, sharding)
     for g, h in zip(got, hosts, strict=True):
         assert g.sharding == sharding and g.shape == h.shape and g.dtype == h.dtype
         assert [s.index for s in g.addressable_shards] == [
@@ -104,13 +104,13 @@ def test_jaxs_batched_device_put_places_host_arrays_as_device_put_does(mesh):
 
 
 def test_jaxs_distributed_state_names_the_coordinator():
-    """`_orbax.coordinator_route` reads the coordinator's address from JAX's distributed
+    """`_internals.coordinator_route` reads the coordinator's address from JAX's distributed
     state (None until jax.distributed.initialize; the 2-process local-tier tests run it
     with a coordinator on 127.0.0.1, whose route is 127.0.0.1)."""
     from jax._src import distributed
 
     assert hasattr(distributed.global_state, "coordinator_address"), (
         "jax._src.distributed.global_state no longer has coordinator_address: update "
-        "_orbax.coordinator_route"
+        "_internals.coordinator_route"
     )
-    assert _orbax.coordinator_route() == "127.0.0.1"  # no coordinator in this process
+    assert _internals.coordinator_route() == "127.0.0.1"  # no coordinator in this process

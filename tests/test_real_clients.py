@@ -24,7 +24,7 @@ from multihost import run_job
 
 import jaxckpt
 from conftest import run_python
-from jaxckpt import _orbax, errors
+from jaxckpt import _internals, errors
 from jaxckpt.cli import main
 
 
@@ -191,7 +191,7 @@ def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir
         lock.unlink(missing_ok=True)
 
     with (
-        _orbax.on_writes_done(lose_the_lock),
+        _internals.on_writes_done(lose_the_lock),
         pytest.raises(FloatingPointError, match=r"^loss is nan\n") as info,
         jaxckpt.CheckpointManager(ckpt_dir) as m,
     ):
@@ -208,7 +208,7 @@ def test_the_with_block_raises_the_bodys_error_while_a_save_fails(mesh, ckpt_dir
 
     # Without an error in the body, the failed save is what the with-block raises.
     with (
-        _orbax.on_writes_done(lose_the_lock),
+        _internals.on_writes_done(lose_the_lock),
         pytest.raises(errors.SaveError, match="saving step 2 failed in the background"),
         jaxckpt.CheckpointManager(ckpt_dir) as m,
     ):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import jaxckpt
-from jaxckpt import _orbax
+from jaxckpt import _internals
 
 
 def echo(text):
@@ -46,7 +46,7 @@ def main() -> None:
             echo("BLOCKED")
             threading.Event().wait()
 
-        with _orbax.on_writes_done(freeze):
+        with _internals.on_writes_done(freeze):
             m.save(1, state={"x": x})
             echo("WAITING")
             m.wait()

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxckpt
-from jaxckpt import _orbax
+from jaxckpt import _internals
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     def freeze():  # step 2's arrays are written, its commit not yet made
         os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us now
 
-    with _orbax.on_writes_done(freeze):
+    with _internals.on_writes_done(freeze):
         m.save(2, state={"x": jnp.arange(n, dtype=jnp.float32) + 2}, meta={"step": 2})
         m.wait()
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from children.job import Job
-from jaxckpt import _integrity, _orbax
+from jaxckpt import _integrity, _internals
 
 W = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
 B = np.arange(16, dtype=np.float32)
@@ -159,7 +159,7 @@ def dies_during_step_2(job: Job) -> dict:
     m.save(1, state=make_state(mesh))
     m.wait()
     if job.args["kill"] == "once_written":
-        armed = _orbax.on_writes_done(kill_once_written)
+        armed = _internals.on_writes_done(kill_once_written)
     else:
         _integrity.write_manifest = kill_then_commit
         armed = contextlib.nullcontext()

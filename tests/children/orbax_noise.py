@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 import jaxckpt
-from jaxckpt import _orbax
+from jaxckpt import _internals
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         subprocess.run(["chattr", "+i", tmp], check=True, timeout=30)
 
     try:
-        with _orbax.on_writes_done(immutable):
+        with _internals.on_writes_done(immutable):
             m.save(2, state={"x": np.arange(1024, dtype=np.float32)})
             m.wait()
     except jaxckpt.errors.SaveError as e:

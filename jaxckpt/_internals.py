@@ -1,0 +1,181 @@
+"""Every private Orbax or JAX name jaxckpt uses, and every text of theirs it reads that they
+do not promise, is here and nowhere else: tests/test_orbax_boundary.py fails by name when an
+upgrade removes one (the log texts below are checked by tests/test_cli_messages.py, the
+text of JAX's coordination-service errors where a real process dies, in
+tests/test_multihost.py). Everything else talks to Orbax and JAX through their public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import re
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger("jaxckpt")
+
+# Orbax logs through absl's logger: two warnings for every read-only manager, and a
+# traceback per thread for a save that failed in the background, which jaxckpt raises
+# itself as SaveError by the next save/wait/close. These known messages go to the debug
+# log (`logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)` shows them); every
+# other Orbax message passes unchanged.
+_ORBAX_NOISE = re.compile(
+    r"CheckpointManagerOptions\.read_only=True, setting save_interval_steps=0"
+    r"|Given directory is read only="
+    r"|Failed to run \d+ Handler Commit operations or the Commit callback in background"
+    r"|_SignalingThread\.run\(\) raised an exception"
+    r"|Save Finalize thread \(\w+\) failed"
+    r"|Checkpointer failed: one or more items may not be finalized"
+)
+_orbax_debug_log = log.getChild("orbax")
+
+
+def _demote_orbax_noise(record: logging.LogRecord) -> bool:
+    """A filter on absl's logger: the known messages above are handed to jaxckpt.orbax's
+    handlers at DEBUG level (if enabled there) instead of absl's; all else passes."""
+    try:
+        noise = bool(_ORBAX_NOISE.search(record.getMessage()))
+    except Exception:  # a record whose arguments do not format: not ours to judge
+        return True
+    if not noise:
+        return True
+    if _orbax_debug_log.isEnabledFor(logging.DEBUG):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        _orbax_debug_log.handle(record)
+    return False
+
+
+logging.getLogger("absl").addFilter(_demote_orbax_noise)
+
+
+def wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
+    """Waits for a step's commit that Orbax runs in the background. `wait_until_finished`
+    waits only for the manager's finalize thread, which its save starts last: when that save
+    failed after starting the commit (a barrier meeting a dead process), only the manager's
+    checkpointer knows of the commit still running."""
+    mngr._checkpointer.wait_until_finished()
+
+
+def array_metadata_store() -> Any:
+    """Orbax's default store of per-host ArrayMetadata (PRNG key impls among them), which an
+    `ArrayHandler` built by hand has only when given it."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    return array_metadata_store.Store()
+
+
+def key_impls(item_dir: epath.Path) -> dict[str, str]:
+    """The PRNG impl of each typed-key leaf of a plain Orbax pytree item, by leaf name:
+    Orbax records it in the item's per-process ArrayMetadata (`array_metadatas/`), not in
+    its tree metadata, which has the key data's uint32 shape only."""
+    if not (item_dir / "array_metadatas").exists():
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # whatever loop the caller runs
+        found = pool.submit(asyncio.run, array_metadata_store().read(item_dir)).result()
+    per_process = found.values() if isinstance(found, dict) else [found or []]
+    return {
+        m.param_name: m.ext_metadata["random_key_impl"]
+        for metas in per_process
+        for m in metas
+        if (m.ext_metadata or {}).get("random_key_impl")
+    }
+
+
+def device_buffers(array: jax.Array) -> list[jax.Array]:
+    """An array's addressable single-device arrays, in the order of `addressable_shards`,
+    in one call: `addressable_shards` builds a Shard (its index, its replica id) for each,
+    and `addressable_data(i)` all of them for each i; at thousands of small leaves either
+    doubled the save's blocking time."""
+    return array._arrays
+
+
+def put_batched(hosts: list[np.ndarray], sharding: jax.sharding.Sharding) -> list[jax.Array]:
+    """Host arrays of canonical dtypes onto one sharding of this process's devices: the
+    per-array step of `jax.device_put(hosts, sharding)` without its per-array checks and
+    abstractions, which were ~40% of placing thousands of small leaves."""
+    from jax._src.interpreters import pxla
+
+    out = []
+    for host in hosts:
+        devices, slices = _device_slices(sharding, host.shape)
+        aval = _aval(host.shape, host.dtype)
+        out.append(pxla.batched_device_put(aval, sharding, [host[i] for i in slices], devices))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_slices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple:
+    """This process's devices of `sharding` and the index of each one's shard of `shape`
+    (the caller must not change the list)."""
+    indices = sharding.addressable_devices_indices_map(shape)
+    return list(indices), tuple(indices.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    from jax._src import core
+
+    return core.ShapedArray(shape, dtype)
+
+
+# Recorded (jax.monitoring) in Orbax's background save once this process's arrays of a step
+# are written, before the barrier between processes and the commit.
+WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
+
+
+@contextlib.contextmanager
+def on_writes_done(callback: Callable[[], None]) -> Iterator[None]:
+    """Calls `callback()` in the background save each time this process's arrays of a step
+    are written, before its commit: where tests and reliability trials kill, freeze or
+    fail a writer, at that moment for sure rather than by timing."""
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == WRITES_DONE_EVENT:
+            callback()
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def missing_processes(error: BaseException) -> list[int]:
+    """The processes a multi-host barrier waited for in vain, as JAX's coordination service
+    names them: after the barrier timeout, or after a dead task's heartbeat timeout."""
+    text = str(error)
+    found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
+    tasks = re.findall(r"\d+", found.group(1)) if found else []
+    tasks += re.findall(r"Task (\d+) heartbeat timeout", text)
+    return sorted({int(t) for t in tasks})
+
+
+def coordinator_route() -> str:
+    """This host's address towards JAX's coordinator (`jax.distributed.initialize`'s): the
+    address its peers reach it at (127.0.0.1 in a job on one machine). No packet is sent:
+    a UDP socket's connect only picks the route."""
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address
+    if not address:
+        return "127.0.0.1"
+    host, _, port = address.rpartition(":")
+    family, kind, proto, _, where = socket.getaddrinfo(
+        host.strip("[]"), int(port), type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(where)
+        return s.getsockname()[0]
+
+
+# --- end of Orbax's and JAX's internals -------------------------------------------------

@@ -1,0 +1,108 @@
+"""Host <-> device: host arrays placed onto the devices of their shardings, and the packed
+leaves read and placed in batches, for the persistent tier, the local tier and the restore
+of a step plain Orbax wrote alike (the save side, shards copied off the devices, is
+`jaxckpt._packed.to_host`, over `_internals.device_buffers`). The errors a read raises are
+worded here: a file that is not what jaxckpt writes is a CorruptCheckpointError, a failure
+of the storage itself a RestoreError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from jaxckpt import _packed
+from jaxckpt._internals import put_batched
+from jaxckpt._layout import StepInfo
+from jaxckpt._plan import read_batches
+from jaxckpt._tree import ReadRequest
+from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
+
+
+@contextlib.contextmanager
+def read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
+    """Orbax's and tensorstore's errors while reading a step, as one RestoreError."""
+    try:
+        yield
+    except JaxckptError:
+        raise
+    except Exception as e:
+        raise RestoreError(
+            f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: "
+            + first_line(e)
+        ) from e
+
+
+@contextlib.contextmanager
+def corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
+    """A file that is not what jaxckpt writes (ValueError), or is missing, as the
+    CorruptCheckpointError it is."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's text (Orbax's and tensorstore's run long)."""
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+def read_packed(
+    packed: _packed.PackedStep,
+    info: StepInfo,
+    item: str,
+    requests: Mapping[str, ReadRequest],
+    budget: int,
+    directory: epath.Path,
+) -> dict[str, Any]:
+    """Packed leaves read and placed in batches (of at most `_packed.READ_BATCH_BYTES`, or
+    `budget`): a file that is not what jaxckpt writes is a CorruptCheckpointError, another
+    failure (of the storage itself) a RestoreError, never "corrupt", which fallback=True
+    would pass over for an older step. Zero-size leaves are made, never read."""
+    out = {name: empty(r) for name, r in requests.items() if 0 in r.shape}
+    requests = {name: r for name, r in requests.items() if name not in out}
+    with read_errors(info.step, item, directory):
+        for batch in read_batches(requests, min(budget, _packed.READ_BATCH_BYTES)):
+            with corrupt_if_not_jaxckpts(info.step, directory):
+                hosts = packed.read(item, {n: requests[n] for n in batch})
+            out.update(place(hosts, requests))
+    return out
+
+
+def place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:
+    """Host arrays onto their requests' shardings (None: left on the host). One process:
+    all the leaves of a sharding at once; several: each process places the slices its
+    devices hold (the rest of a host array is never read)."""
+    out: dict[str, Any] = {}
+    groups: dict[jax.sharding.Sharding, list[str]] = {}
+    for name, host in hosts.items():
+        sharding = requests[name].sharding
+        if sharding is None:  # the caller's own, not a view pinning a whole read
+            out[name] = np.array(host) if host.base is not None else host
+        elif jax.process_count() > 1:
+            out[name] = on(sharding, host)
+        else:
+            groups.setdefault(sharding, []).append(name)
+    for sharding, names in groups.items():
+        fast = [n for n in names if hosts[n].dtype == jax.dtypes.canonicalize_dtype(hosts[n].dtype)]
+        out.update(zip(fast, put_batched([hosts[n] for n in fast], sharding), strict=True))
+        if rest := [n for n in names if n not in out]:  # e.g. float64 without jax_enable_x64
+            out.update(zip(rest, jax.device_put([hosts[n] for n in rest], sharding), strict=True))
+    return out
+
+
+def empty(request: ReadRequest) -> Any:
+    """A zero-size array (never written, see `save`) where the request wants it."""
+    host = np.zeros(request.shape, request.dtype)
+    return host if request.sharding is None else on(request.sharding, host)
+
+
+def on(sharding: jax.sharding.Sharding, host: np.ndarray) -> jax.Array:
+    """A host array placed on `sharding` (on every process of a multi-process job)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
