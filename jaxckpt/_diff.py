@@ -3,13 +3,14 @@ dtype, and (reading both) the largest absolute difference of each other leaf."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jaxckpt import _orbax
+from jaxckpt import _reader
 from jaxckpt._plan import read_batches
 from jaxckpt._tree import LeafSpec, ReadRequest
 
@@ -57,10 +58,10 @@ def diff(
     (on the host, in batches) and `progress(bytes compared, bytes to compare)` is called
     after each."""
     sides = ((directory_a, step_a), (directory_b or directory_a, step_b))
-    stores = [_orbax.OrbaxStore(d, read_only=True) for d, _ in sides]
-    try:
-        steps = [store.scan().resolve(s) for store, (_, s) in zip(stores, sides, strict=True)]
-        trees = [store.tree(step, item) for store, step in zip(stores, steps, strict=True)]
+    with contextlib.ExitStack() as stack:
+        ckpts = [stack.enter_context(_reader.open(d)) for d, _ in sides]
+        trees = [c.describe(s, item) for c, (_, s) in zip(ckpts, sides, strict=True)]
+        steps = [info.step for info, _ in trees]
         a, b = ({s.name: s for s in info.leaves(which)} for info, which in trees)
         both = a.keys() & b.keys()
         changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
@@ -71,10 +72,12 @@ def diff(
         same = {n: a[n] for n in sorted(both) if n not in changed}
         requests = {n: ReadRequest(s.stored_shape, s.stored_dtype, None) for n, s in same.items()}
         deltas, done, total = {}, 0, sum(s.nbytes for s in same.values())
+        for ckpt, step in zip(ckpts, steps, strict=True):  # like every read: verified
+            stack.enter_context(ckpt.verified(step))
         for batch in read_batches(requests, COMPARE_BATCH_BYTES):
             x_batch, y_batch = (
-                store.read_arrays(info, which, {n: requests[n] for n in batch})
-                for store, (info, which) in zip(stores, trees, strict=True)
+                ckpt.read_arrays(info, which, {n: requests[n] for n in batch})
+                for ckpt, (info, which) in zip(ckpts, trees, strict=True)
             )
             for name in batch:
                 deltas[name] = _max_abs_diff(x_batch[name], y_batch[name])
@@ -82,9 +85,6 @@ def diff(
                 if progress is not None:
                     progress(done, total)
         return dataclasses.replace(found, max_abs_diff=deltas)
-    finally:
-        for store in stores:
-            store.close()
 
 
 def _max_abs_diff(x: np.ndarray, y: np.ndarray) -> float:

@@ -16,17 +16,15 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import xxhash
 from etils import epath
 
 from jaxckpt import _layout
 from jaxckpt._storage import is_remote, open_inside
-from jaxckpt.errors import CorruptCheckpointError, JaxckptError, StepNotFoundError
+from jaxckpt.errors import CorruptCheckpointError
 
 HASH = "xxh3_128"
-_READ_BATCH_BYTES = 256 * 2**20  # what verify reads of an Orbax step at a time
 _CHUNK = 8 * 2**20
 
 
@@ -228,67 +226,3 @@ def verified_while_reading(
             check()
             raise
         check()
-
-
-def verify(
-    directory: str | epath.PathLike, step: int | None = None, *, progress: Progress | None = None
-) -> list[StepReport]:
-    """Verifies every committed step (or one) of a checkpoint directory; reads, never writes.
-
-    Also reports step folders that look like damaged jaxckpt steps: empty, or holding a
-    `jaxckpt/` folder without its metadata. Folders jaxckpt did not write are not judged.
-    A step plain Orbax wrote has no manifest: each of its arrays is read whole instead, and
-    its report says it is not checksummed (`StepReport.checksummed`).
-    """
-    from jaxckpt import _orbax
-
-    store = _orbax.OrbaxStore(directory, read_only=True)
-    try:
-        listing = store.scan()
-        reports = []
-        for s in sorted({*listing.folders, *listing.committed}):
-            if step is not None and s != step:
-                continue
-            if s in listing.orbax:
-                reports.append(_read_whole(store, s, listing.orbax[s], progress))
-            elif s in listing.committed:
-                reports.append(verify_step(listing.folders[s], s, progress=progress))
-            elif s in listing.damaged:
-                reports.append(StepReport(s, 0, 0, (listing.damaged[s],)))
-    finally:
-        store.close()
-    if step is not None and not reports:
-        raise StepNotFoundError(step, listing.committed, str(listing.directory))
-    return reports
-
-
-def _read_whole(
-    store: Any, step: int, found: _layout.OrbaxStep, progress: Progress | None
-) -> StepReport:
-    """What can be checked of a step plain Orbax wrote: each pytree item's metadata, and
-    every array read whole to the host (one batch at a time), as Orbax reads it."""
-    from jaxckpt._orbax import missing_chunks
-    from jaxckpt._plan import read_batches
-    from jaxckpt._tree import uniform_requests
-
-    problems, leaves, total = [], 0, 0
-    for item in found.items_of("pytree"):
-        try:
-            info = store.info(step, item)
-        except CorruptCheckpointError as e:
-            problems.extend(e.problems)
-            continue
-        problems.extend(f"item {item}: {p}" for p in missing_chunks(found.item_dir(item)))
-        requests = uniform_requests(info.state, None)
-        sizes = {s.name: s.nbytes for s in info.state}
-        size, done = sum(sizes.values()), 0
-        for batch in read_batches(requests, _READ_BATCH_BYTES):
-            try:
-                store.read_arrays(info, _layout.STATE, {n: requests[n] for n in batch})
-            except JaxckptError as e:
-                problems.extend(getattr(e, "problems", None) or [f"item {item}: {e}"])
-            done += sum(sizes[n] for n in batch)
-            if progress is not None:
-                progress(step, done, size)
-        leaves, total = leaves + len(info.state), total + size
-    return StepReport(step, leaves, total, tuple(problems), checksummed=False)

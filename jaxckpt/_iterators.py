@@ -34,9 +34,18 @@ grain version lacks them, less is recorded, and compared.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from typing import Any
+
+import jax
+
+from jaxckpt import _layout
+from jaxckpt._tree import check_json
+from jaxckpt.errors import CorruptCheckpointError, DataStateError
+
+log = logging.getLogger("jaxckpt")
 
 # grain's DataLoader state: its configuration (what grain's own `_validate_state` compares).
 LOADER_CONFIG = ("sampler", "data_source", "worker_count")
@@ -167,3 +176,99 @@ def _text(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_TEXT:
         return value[: MAX_TEXT - 3] + "..."
     return value
+
+
+# ------------------------------------------------------------------ saved, checked, restored
+
+
+def snapshot(data: Any) -> tuple[str | None, str | None, str | None]:
+    """Takes the iterator's state now (at save): as text to store, its kind ("json" or
+    "bytes"), and what the iterator is (`describe`, as JSON text)."""
+    if data is None:
+        return None, None, None
+    if not callable(getattr(data, "get_state", None)):
+        raise DataStateError(
+            f"data= takes an iterator with get_state() and set_state() (e.g. a grain "
+            f"DatasetIterator); got a {type(data).__name__}"
+        )
+    state = data.get_state()
+    about = json.dumps(describe(data, state))
+    if isinstance(state, bytes):  # grain's DataLoaderIterator: JSON text as bytes
+        try:
+            return state.decode("utf-8"), "bytes", about
+        except UnicodeDecodeError:
+            raise DataStateError(
+                "data.get_state() returned bytes that are not UTF-8 text; jaxckpt stores "
+                "iterator states as text (JSON or UTF-8 bytes)"
+            ) from None
+    check_json(state, "data.get_state()")
+    return json.dumps(state), "json", about
+
+
+def problem(info: _layout.StepInfo, data: Any, mismatch_ok: bool, directory: Any) -> str | None:
+    """Why `data` cannot take the state saved at step `info.step` in `directory` (None: it
+    can), reading only the step's small data files."""
+    step = info.step
+    if not callable(getattr(data, "set_state", None)):
+        return f"data= takes an iterator with set_state(); got a {type(data).__name__}"
+    if info.data is None:
+        return (
+            f"step {step} holds no data-iterator state (it was saved without data=); "
+            "restore without data= or from a step saved with it"
+        )
+    here = (jax.process_index(), jax.process_count())
+    if info.orbax is not None:  # grain's handler records no description: its state is there?
+        try:
+            _layout.read_data_state(directory, info, *here)
+        except DataStateError as e:
+            return str(e)
+        return None
+    # None: a step saved before jaxckpt recorded it
+    saved = _layout.read_data_about(directory, step, *here)
+    changed = differences(saved, describe(data)) if saved else []
+    if not changed:
+        return None
+    if mismatch_ok:
+        log.warning(
+            "restore: the data iterator differs from the one saved at step %d "
+            "(data_mismatch_ok=True): %s",
+            step,
+            "; ".join(changed),
+        )
+        return None
+    where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+    return (
+        f"the data iterator is not built like the one saved at step {step}{where}:\n  "
+        + "\n  ".join(changed)
+        + "\nBuild it like the saved one to resume the same data order; for a deliberate "
+        "change, pass data_mismatch_ok=True to move it to the saved position all the "
+        "same. Nothing was read."
+    )
+
+
+def restore(data: Any, info: _layout.StepInfo, directory: Any) -> None:
+    """Moves `data` to the position saved at `info.step` in `directory` (checked
+    beforehand by `problem`)."""
+    step = info.step
+    text = _layout.read_data_state(directory, info, jax.process_index(), jax.process_count())
+    as_json = info.data == "json"
+    if info.data == "grain":  # grain's Orbax handler: a DatasetIterator's as JSON, else text
+        import grain
+
+        as_json = isinstance(data, grain.DatasetIterator)
+    try:
+        saved = json.loads(text) if as_json else with_own_addresses(text.encode(), data)
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError(
+            step,
+            [f"{info.data_item}/: this process's data-iterator state is not JSON"],
+            str(directory),
+        ) from None
+    try:
+        data.set_state(saved)
+    except Exception as e:
+        raise DataStateError(
+            f"the data iterator refused the state saved at step {step}: {type(e).__name__}: "
+            f"{e}. Restore into an iterator built like the one that was saved (same type, "
+            "dataset and options)."
+        ) from e

@@ -155,8 +155,11 @@ class LocalStore:
     """This process's local directory: local saves in a background thread of their own
     (never behind a persistent save), their listing, checks and reads."""
 
-    def __init__(self, tier: LocalTier, *, read_only: bool = False):
+    def __init__(
+        self, tier: LocalTier, *, read_only: bool = False, restore_inflight_bytes: int = 2**30
+    ):
         self.tier = tier
+        self._restore_inflight_bytes = restore_inflight_bytes
         self.directory = Path(absolute(tier.directory))
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
@@ -275,18 +278,18 @@ class LocalStore:
         # every one (every process goes back with it: they all save the same steps).
         for old in self.steps():
             if old >= step:
-                self._delete(old)
+                self.delete(old)
         went_back = self._newest is not None and step <= self._newest
         self._newest = step
         self._drop_copies(step, fresh_too=went_back)
         tmp.rename(self.directory / str(step))
         _fsync_dir(self.directory)
         for old in self.steps()[: -self.tier.keep_last]:
-            self._delete(old)
+            self.delete(old)
         if self._copies is not None:
             self._copies.send(step)  # in the background: the step stands without its copies
 
-    def _delete(self, step: int) -> None:
+    def delete(self, step: int) -> None:
         _discard(self.step_dir(step))
 
     def prune_after(self, step: int) -> None:
@@ -297,7 +300,7 @@ class LocalStore:
         for s in self.steps():
             if s > step:
                 log.info("local tier: deleting local step %d, newer than the restored %d", s, step)
-                self._delete(s)
+                self.delete(s)
         self._drop_copies(step + 1, fresh_too=True)
         self._newest = step
 
@@ -354,7 +357,7 @@ class LocalStore:
                     raise _peers.PeerError("it is not this process's part, on these devices")
             folder = self.step_dir(step)
             if folder.exists():
-                self._delete(step)
+                self.delete(step)
             tmp.rename(folder)
             _fsync_dir(self.directory)
         except (_peers.PeerError, OSError) as e:
@@ -419,11 +422,12 @@ class LocalStore:
         return _layout.read_info(self.directory, step)
 
     def read_arrays(
-        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest], budget: int
+        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
         """The named arrays of one item of a local step, each onto its sharding, from this
         process's part alone (checked beforehand with `holds`)."""
-        return _transfer.read_packed(self._part(info), info, item, requests, budget, self.directory)
+        part, budget = self._part(info), self._restore_inflight_bytes
+        return _transfer.read_packed(part, info, item, requests, budget, self.directory)
 
     def holds(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
@@ -594,11 +598,3 @@ def complete_steps(held: dict[int, dict[int, list[int]]]) -> list[int]:
     """The steps of which every process's part is somewhere, oldest first."""
     owners = set(range(jax.process_count()))
     return sorted(s for s, parts in held.items() if owners <= set(parts))
-
-
-def refusing(problem: str | None) -> list[int]:
-    """The processes that found a problem (this one's given), agreed by all."""
-    if jax.process_count() == 1:
-        return [] if problem is None else [0]
-    flags = multihost_utils.process_allgather(np.int32(problem is not None))
-    return [i for i, f in enumerate(np.ravel(flags)) if f]

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
-import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -22,11 +20,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _integrity, _internals, _layout, _packed, _transfer
+from jaxckpt import _integrity, _internals, _layout, _orbax_steps, _packed, _transfer
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote
-from jaxckpt._tree import ARRAY, KEY, PYTHON, LeafSpec, ReadRequest, leaf_name
+from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -233,7 +231,7 @@ class OrbaxStore:
         requests, whatever the number of steps."""
         return self.scan(newest=True)
 
-    def committed_steps(self) -> list[int]:
+    def steps(self) -> list[int]:
         """Committed steps, jaxckpt's and plain Orbax's, oldest first."""
         return list(self.scan().committed)
 
@@ -259,7 +257,7 @@ class OrbaxStore:
         """An Orbax pytree item's metadata tree (`_orbax_tree`), read once by this store:
         jaxckpt never rewrites a step that plain Orbax wrote."""
         if path not in self._orbax_trees:
-            self._orbax_trees[path] = _orbax_tree(path)
+            self._orbax_trees[path] = _orbax_steps.tree(path)
         return self._orbax_trees[path]
 
     def is_orbax(self, step: int) -> bool:
@@ -274,7 +272,7 @@ class OrbaxStore:
         if found is not None:
             if problems := _integrity.unsafe_entries(found.path):  # before Orbax opens any
                 raise CorruptCheckpointError(step, problems, str(self.directory))
-            return _orbax_info(self.directory, step, found, item, self._item_tree)
+            return _orbax_steps.info(self.directory, step, found, item, self._item_tree)
         if item not in (None, _layout.STATE):
             raise ConfigError(
                 f"step {step} in {self.directory} is a jaxckpt step: item= chooses among the "
@@ -295,15 +293,15 @@ class OrbaxStore:
 
     def save(
         self,
-        step: int,
-        *,
-        state: Mapping[str, Any],
-        rng: Mapping[str, Any],
-        data: str | None,
         info: _layout.StepInfo,
+        arrays: Mapping[str, Mapping[str, Any]],
+        data: str | None,
         data_about: str | None = None,
     ) -> None:
-        """Starts an async save; returns once device arrays are copied to host memory.
+        """Starts an async save of step `info.step`: `arrays` {item: {name: array}} (the
+        flattened state and rng), `data` this process's data-iterator state and
+        `data_about` what the iterator was (as JSON text). Returns once device arrays are
+        copied to host memory.
 
         The commit protocol, all of it here:
         1. Before anything is written, the writer's lock is checked (`LockedError` if this
@@ -322,15 +320,16 @@ class OrbaxStore:
             self._lock.check()
         args: dict[str, Any] = {}
         small: dict[str, dict[str, Any]] = {}
-        for item, arrays in ((_layout.STATE, state), (_layout.RNG, rng)):
+        step = info.step
+        for item in _layout.ITEMS:
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
-            arrays = {name: a for name, a in arrays.items() if a.size}
+            leaves = {name: a for name, a in arrays.get(item, {}).items() if a.size}
             if self._pack:
-                small[item] = {n: a for n, a in arrays.items() if _packed.is_small(a)}
-                arrays = {n: a for n, a in arrays.items() if n not in small[item]}
-            if arrays:
+                small[item] = {n: a for n, a in leaves.items() if _packed.is_small(a)}
+                leaves = {n: a for n, a in leaves.items() if n not in small[item]}
+            if leaves:
                 args[item] = ocp.args.PyTreeSave(
-                    arrays, ocdbt_target_data_file_size=DATA_FILE_BYTES
+                    leaves, ocdbt_target_data_file_size=DATA_FILE_BYTES
                 )
         if any(small.values()):
             args[_layout.PACKED] = PackedSave(small)
@@ -385,14 +384,14 @@ class OrbaxStore:
             item = info.item
             path = info.orbax.item_dir(item)
             tree = self._item_tree(path)
-            if _legacy(path):  # Orbax reads every leaf of such an item on each restore
+            if _orbax_steps.legacy(path):  # Orbax reads every leaf of such an item on each restore
                 batches = [list(to_read)]
         for batch in batches:
             with _transfer.read_errors(step, item, self.directory):
                 if info.orbax is None:
                     got = self._read_batch(step, item, {n: to_read[n] for n in batch})
                 else:
-                    got = _read_orbax_batch(path, tree, {n: to_read[n] for n in batch})
+                    got = _orbax_steps.read_batch(path, tree, {n: to_read[n] for n in batch})
             for name in batch:
                 _check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
@@ -420,7 +419,7 @@ class OrbaxStore:
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
         args = ocp.args.PyTreeRestore(
             item={n: jax.ShapeDtypeStruct(r.shape, r.dtype) for n, r in batch.items()},
-            restore_args={n: _restore_args(r) for n, r in batch.items()},
+            restore_args={n: _orbax_steps.restore_args(r) for n, r in batch.items()},
             # read only the requested leaves, never the rest of the step
             partial_restore=True,
         )
@@ -505,203 +504,6 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     )
 
 
-# --- steps that plain Orbax wrote -------------------------------------------------------
-
-
-def write_plain(out_dir: epath.Path, tree: Any) -> None:
-    """`tree` as a plain Orbax checkpoint at `out_dir`, which must not exist: what
-    `ocp.StandardCheckpointer().save(out_dir, tree)` writes (and Orbax commits atomically),
-    so that `ocp.StandardCheckpointer().restore(out_dir, target)` reads it."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out_dir, tree)
-        checkpointer.wait_until_finished()
-
-
-def _orbax_info(
-    directory: epath.Path,
-    step: int,
-    found: _layout.OrbaxStep,
-    item: str | None,
-    tree_of: Callable[[epath.Path], Any],
-) -> _layout.StepInfo:
-    """A plain Orbax step as jaxckpt sees one: the leaves of its pytree item `item` (None:
-    its only one) as Orbax's metadata records them (`tree_of` an item's folder), its grain
-    states as data."""
-    trees = found.items_of("pytree")
-    if item is None and len(trees) == 1:
-        item = trees[0]
-    if item not in trees:
-        held = ", ".join(f"{name} ({kind})" for name, kind in sorted(found.items.items()))
-        ask = (
-            "choose one with item= (CLI: --item)"
-            if item is None
-            else f"it has no pytree item {item!r}"
-        )
-        raise ConfigError(f"step {step} in {directory}, written by Orbax, holds {held}: {ask}")
-    try:
-        tree = tree_of(found.item_dir(item))
-        impls = _internals.key_impls(found.item_dir(item))
-        # (None in the tree is an empty node: optax's EmptyState is saved as one)
-        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        specs = [_orbax_spec(path, meta, impls) for path, meta in leaves]
-    except Exception as e:
-        problem = f"Orbax cannot read the metadata of its item {item!r}: {_transfer.first_line(e)}"
-        raise CorruptCheckpointError(step, [problem], str(directory)) from None
-    return _layout.StepInfo(
-        step=step,
-        state=tuple(s for s in specs if s is not None),
-        data="grain" if found.items_of("grain") else None,
-        orbax=found,
-        item=item,
-    )
-
-
-def _orbax_tree(path: epath.Path) -> Any:
-    """The nested tree of an Orbax pytree item, its leaves Orbax's value metadata."""
-    if _legacy(path):
-        return _legacy_tree(path)
-    return ocp.PyTreeCheckpointHandler().metadata(path).tree
-
-
-def _legacy(path: epath.Path) -> bool:
-    """An item of an Orbax release before `_METADATA` (0.2-0.4): its tree is the msgpack
-    file `checkpoint`, each leaf a zarr (v2) array of its own, named by its leaf name."""
-    return not (path / _layout.ORBAX_TREE_FILE).exists()
-
-
-def missing_chunks(path: epath.Path) -> list[str]:
-    """Of a legacy item, the arrays whose chunk files are not all there: Orbax reads a
-    missing chunk of such an item as zeros, so only the listing tells. (An array with a fill
-    value may leave chunks out: not counted.)"""
-    if not _legacy(path):
-        return []
-    problems = []
-    for leaf in sorted(p for p in path.iterdir() if (p / ".zarray").exists()):
-        try:
-            zarray = json.loads((leaf / ".zarray").read_text())
-            grid = [-(-n // c) for n, c in zip(zarray["shape"], zarray["chunks"], strict=True)]
-        except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
-            problems.append(f"{leaf.name}/.zarray is unreadable: {_transfer.first_line(e)}")
-            continue
-        if zarray.get("fill_value") is not None:
-            continue
-        separator = zarray.get("dimension_separator", ".")
-        expected = {
-            separator.join(map(str, i)) or "0" for i in itertools.product(*map(range, grid))
-        }
-        present = _files_below(leaf)
-        if missing := sorted(expected - present):
-            problems.append(
-                f"{leaf.name}: {len(missing)} of {len(expected)} chunk files are missing "
-                f"(first: {missing[0]}), which Orbax would read as zeros"
-            )
-    return problems
-
-
-def _files_below(root: epath.Path) -> set[str]:
-    """The files below `root`, as paths relative to it (a listing per folder)."""
-    found, stack = set(), [root]
-    while stack:
-        for p in stack.pop().iterdir():
-            if p.is_dir():
-                stack.append(p)
-            else:
-                found.add(str(p.relative_to(root)))
-    return found
-
-
-def _legacy_tree(path: epath.Path) -> Any:
-    """A legacy item's tree, each array's metadata from its `.zarray`: shape and dtype (no
-    sharding is recorded there). A value stored in the msgpack file itself is left out."""
-    tree = ocp.aggregate_handlers.MsgpackHandler().deserialize(path / _layout.ORBAX_LEGACY_FILE)
-
-    def meta(value: Any) -> Any:
-        if not ocp.utils.leaf_is_placeholder(value):
-            log.warning("Orbax leaf stored in %s/checkpoint itself: jaxckpt skips it", path)
-            return None
-        name = ocp.utils.name_from_leaf_placeholder(value)
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise ValueError(f"a leaf is named {name!r}, which is no folder of the item")
-        try:
-            zarray = json.loads((path / name / ".zarray").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{name}/.zarray is unreadable: {e}") from None
-        return ocp.metadata.ArrayMetadata(
-            name=name,
-            directory=path,
-            shape=tuple(zarray["shape"]),
-            sharding=None,
-            dtype=np.dtype(zarray["dtype"]),
-        )
-
-    return jax.tree.map(meta, tree)
-
-
-def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | None:
-    """The LeafSpec of one leaf of Orbax's metadata (None: a string leaf, which jaxckpt
-    does not restore, logged); a typed PRNG key (its impl in `impls`) is a KEY leaf."""
-    name = leaf_name(path)
-    if not isinstance(meta, ocp.metadata.ArrayMetadata):
-        log.warning("Orbax leaf %s is a %s: jaxckpt skips it", name, type(meta).__name__)
-        return None
-    kind = PYTHON if isinstance(meta, ocp.metadata.ScalarMetadata) else ARRAY
-    shape, dtype, impl = tuple(meta.shape), meta.dtype, impls.get(name)
-    if impl is not None:  # Orbax's metadata has the key data: (*shape, *impl's own dims)
-        key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
-        own = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
-        kind, shape, dtype = KEY, shape[: len(shape) - len(own)], str(key.dtype)
-    sharding = None
-    if isinstance(meta.sharding, ocp.metadata.NamedShardingMetadata):
-        spec = [list(e) if isinstance(e, tuple) else e for e in meta.sharding.partition_spec]
-        mesh = dict(zip(meta.sharding.axis_names, map(int, meta.sharding.shape), strict=True))
-        sharding = {"mesh": mesh, "spec": spec}
-    elif isinstance(meta.sharding, ocp.metadata.SingleDeviceShardingMetadata):
-        sharding = {"devices": 1}
-    return LeafSpec.at(path, shape, dtype, kind=kind, key_impl=impl, sharding=sharding)
-
-
-def _read_orbax_batch(
-    path: epath.Path, tree: Any, batch: Mapping[str, ReadRequest]
-) -> dict[str, Any]:
-    """Reads the leaves `batch` names of an Orbax pytree item: the item's whole tree with
-    Orbax's placeholder for every other leaf, so that none of those is read."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [leaf_name(p) for p, _ in leaves]
-    scalar = {
-        n
-        for n, (_, meta) in zip(names, leaves, strict=True)
-        if isinstance(meta, ocp.metadata.ScalarMetadata)
-    }
-    item = [_target(batch[n]) if n in batch else ocp.PLACEHOLDER for n in names]
-    restore_args = [
-        _restore_args(batch[n]) if n in batch and n not in scalar else ocp.RestoreArgs()
-        for n in names
-    ]
-    got = ocp.PyTreeCheckpointHandler().restore(
-        path,
-        args=ocp.args.PyTreeRestore(
-            item=jax.tree_util.tree_unflatten(treedef, item),
-            restore_args=jax.tree_util.tree_unflatten(treedef, restore_args),
-        ),
-    )
-    values = jax.tree_util.tree_leaves(got, is_leaf=lambda x: x is ocp.PLACEHOLDER)
-    out = {}
-    for name, value in zip(names, values, strict=True):
-        if jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
-            value = jax.random.key_data(value)  # Orbax wraps typed keys; jaxckpt reads data
-        if name in scalar and name in batch:  # Orbax hands back a Python or NumPy scalar
-            value = np.asarray(value, batch[name].dtype)
-            if batch[name].sharding is not None:
-                value = _transfer.on(batch[name].sharding, value)
-        if name in batch:
-            out[name] = value
-    return out
-
-
-def _target(request: ReadRequest) -> Any:
-    return jax.ShapeDtypeStruct(request.shape, request.dtype, sharding=request.sharding)
-
-
 def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
     """Deletes a folder or object; a failure is logged (the next writer retries it)."""
     try:
@@ -713,11 +515,3 @@ def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
     except Exception as e:
         log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
         return False
-
-
-def _restore_args(request: ReadRequest) -> ocp.RestoreArgs:
-    if request.sharding is None:
-        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=request.dtype)
-    return ocp.ArrayRestoreArgs(
-        sharding=request.sharding, global_shape=request.shape, dtype=request.dtype
-    )

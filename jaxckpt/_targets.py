@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxckpt._tree import LeafSpec, ReadRequest, leaf_name, replicated_sharding
+from jaxckpt._match import replicated_sharding
+from jaxckpt._tree import LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt")

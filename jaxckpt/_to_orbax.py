@@ -9,8 +9,7 @@ from typing import Any
 
 from etils import epath
 
-from jaxckpt import _orbax
-from jaxckpt._manager import CheckpointManager
+from jaxckpt import _orbax_steps, _reader
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt.errors import ConfigError, OutputExistsError
 
@@ -57,13 +56,13 @@ def export_orbax(
         raise OutputExistsError(
             f"{out} exists and is not empty; choose another directory or pass overwrite=True"
         )
-    with CheckpointManager(checkpoint_dir, read_only=True) as manager:
-        restored = manager.restore(step, state=state, item=item)
+    with _reader.open(checkpoint_dir) as ckpt:
+        restored = ckpt.read(step, state=state, item=item)
     new, old = (out.parent / f".{out.name}.jaxckpt-{what}" for what in ("new", "old"))
     for leftover in (new, old):
         if leftover.exists():
             leftover.rmtree()
-    _orbax.write_plain(new, restored.state)
+    _orbax_steps.write_plain(new, restored.state)
     if out.exists():
         out.rename(old)
     new.rename(out)

@@ -1,26 +1,25 @@
-"""How a pytree becomes named arrays on disk, and how a restore target maps back onto them.
+"""How a pytree becomes named arrays on disk (`jaxckpt._match` is how a restore target maps
+back onto them).
 
 A saved tree is flattened with `jax.tree_util` into a flat mapping `{name: array}`, where
 `name` joins the leaf's key path with dots (`params.layers.0.kernel.value`). Next to the
-arrays, each checkpoint records a :class:`LeafSpec` per leaf (path, shape, dtype, kind). This
-keeps Orbax's view of the tree flat and simple, and puts every tree concern here:
-
-* Restoring *with* a target unflattens with the target's own treedef, so any pytree node type
-  (Flax NNX `State`, Linen `TrainState`, optax NamedTuples, empty nodes) comes back as itself.
-* Restoring *without* a target rebuilds nested dicts and lists from the recorded paths.
-* Missing/extra leaves and shape/dtype differences are found by comparing names and specs,
-  and reported by path before a single array byte is read.
-* Typed PRNG keys are stored as their raw key data plus the impl name, and are wrapped back
-  with the same impl on restore, so they round-trip bitwise with any impl.
+arrays, each checkpoint records a :class:`LeafSpec` per leaf (path, shape, dtype, kind),
+which keeps Orbax's view of the tree flat and simple. Typed PRNG keys are stored as their
+raw key data plus the impl name, and are wrapped back with the same impl on restore, so
+they round-trip bitwise with any impl. Also here: the checks of what `save` is given (step
+numbers, JSON meta) and the collector paused while it blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import math
+import operator
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,10 +28,7 @@ import tensorstore as ts
 from jax import tree_util
 
 from jaxckpt.errors import (
-    LeafMismatchError,
-    MissingShardingError,
-    ShardingError,
-    TreeMismatchError,
+    ConfigError,
     UnsupportedValueError,
 )
 
@@ -61,7 +57,7 @@ class LeafSpec:
     def at(cls, path: tuple, shape: tuple[int, ...], dtype: Any, **fields: Any) -> LeafSpec:
         """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved); `dtype`
         a NumPy dtype, or a key dtype's name (`key<fry>`)."""
-        entries = _entries(path)
+        entries = path_entries(path)
         dtype = dtype if isinstance(dtype, str) else _dtype_name(dtype)
         return cls(_name(entries), entries, tuple(shape), dtype, **fields)
 
@@ -69,7 +65,7 @@ class LeafSpec:
     def display(self) -> str:
         """The leaf as errors name it: its stored name (`params.w`), which `jaxckpt inspect`
         lists and its `--filter` matches."""
-        return _display(self.path)
+        return display(self.path)
 
     def to_json(self) -> dict[str, Any]:
         # By hand: dataclasses.asdict deep-copies, ~80 us a leaf on the save's blocking path.
@@ -99,11 +95,11 @@ class LeafSpec:
             raise ValueError(f"leaf {name!r}: shape is not a list of non-negative integers")
         kind, dtype, key_impl = d.get("kind", ARRAY), d.get("dtype"), d.get("key_impl")
         if kind not in (ARRAY, KEY, PYTHON):
-            raise ValueError(f"leaf {name!r}: unknown kind {_short(kind)}")
+            raise ValueError(f"leaf {name!r}: unknown kind {short(kind)}")
         if not isinstance(dtype, str) or not (kind == KEY or _is_dtype(dtype)):
-            raise ValueError(f"leaf {name!r}: dtype {_short(dtype)} is not a NumPy dtype name")
+            raise ValueError(f"leaf {name!r}: dtype {short(dtype)} is not a NumPy dtype name")
         if kind == KEY and not (isinstance(key_impl, str) and _is_key_impl(key_impl)):
-            raise ValueError(f"leaf {name!r}: key_impl {_short(key_impl)} is not a PRNG impl")
+            raise ValueError(f"leaf {name!r}: key_impl {short(key_impl)} is not a PRNG impl")
         sharding = d.get("sharding")
         if sharding is not None and not _is_layout(sharding):
             raise ValueError(f"leaf {name!r}: sharding is not a recorded layout")
@@ -224,6 +220,36 @@ class ReadRequest:
 # Saving
 
 
+def check_step(step: Any) -> int:
+    """A step number as given: a non-negative int (ConfigError otherwise)."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"step must be an int, got {type(step).__name__} {step!r}") from None
+    if isinstance(step, bool) or value < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    return value
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector while `save` blocks the training step, and
+    during a restore.
+
+    Orbax creates a few objects per shard; at thousands of leaves those allocations set off
+    collections that walk every live object of the process: ~45% of a 4,000-leaf save's
+    blocking time and ~30% of its restore (BENCHMARKS.md). Reference counting still frees
+    all else meanwhile (a restore's peak memory is unchanged).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     """Flattens `tree` into `{name: array}` ready to write, plus the specs to record.
 
@@ -233,7 +259,7 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     specs: list[LeafSpec] = []
     seen: dict[str, tuple] = {}  # the key path of each name
     for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
-        entries = _entries(path)
+        entries = path_entries(path)
         name = _name(entries)
         if name in seen:
             raise UnsupportedValueError(
@@ -267,7 +293,7 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
             # and restored onto the target's sharding.
             value = np.asarray(value)
         return value, spec
-    if _is_python_scalar(leaf):
+    if is_python_scalar(leaf):
         value = np.asarray(leaf)
         if value.dtype != object:  # e.g. 2**70 fits no integer dtype
             return value, LeafSpec(name, entries, (), value.dtype.name, PYTHON)
@@ -276,8 +302,8 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         value = np.array(leaf, copy=True)
         return value, LeafSpec(name, entries, value.shape, value.dtype.name)
     raise UnsupportedValueError(
-        f"{item} leaf {_display(entries)} is a {type(leaf).__module__}.{type(leaf).__qualname__} "
-        f"({_short(leaf)}), which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays "
+        f"{item} leaf {display(entries)} is a {type(leaf).__module__}.{type(leaf).__qualname__} "
+        f"({short(leaf)}), which jaxckpt cannot save: leaves must be jax.Array, NumPy arrays "
         "of a numeric dtype or Python/NumPy scalars that fit one. Put other values in meta= "
         "(JSON), or make them static pytree fields."
     )
@@ -313,7 +339,7 @@ def _storable(dtype: np.dtype) -> bool:
 def _check_storable(item: str, entries: tuple, dtype: np.dtype) -> None:
     if not _storable(dtype):
         raise UnsupportedValueError(
-            f"{item} leaf {_display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
+            f"{item} leaf {display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
             "cannot store. Cast it to a supported dtype first (e.g. uint4 to uint8), keep "
             "strings in meta=, or make the value a static pytree field."
         )
@@ -367,7 +393,7 @@ def check_json(value: Any, path: str = "meta") -> None:
             for k in value:
                 if not isinstance(k, str):
                     raise UnsupportedValueError(
-                        f"{path} has the key {_short(k)} of type {type(k).__name__}; JSON object "
+                        f"{path} has the key {short(k)} of type {type(k).__name__}; JSON object "
                         "keys must be strings. Convert the key with str()."
                     )
             items = value.items()
@@ -376,7 +402,7 @@ def check_json(value: Any, path: str = "meta") -> None:
         else:
             raise UnsupportedValueError(
                 f"{path} is a {type(value).__module__}.{type(value).__qualname__} "
-                f"({_short(value)}), which is not JSON. meta= takes dicts with string keys, "
+                f"({short(value)}), which is not JSON. meta= takes dicts with string keys, "
                 "lists, strings, numbers, booleans and None; convert the value first (e.g. "
                 ".item() for a NumPy scalar, str() for a path, or keep arrays in state=)."
             )
@@ -400,244 +426,20 @@ def strict_json(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Restoring
+# Leaf names
 
 
-def plan_restore(
-    target: Any,
-    saved: Sequence[LeafSpec],
-    *,
-    item: str,
-    step: int,
-    partial: bool = False,
-    home: jax.sharding.Sharding | None = None,
-) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
-    """Checks `target` against the saved specs and says what to read and how to rebuild.
-
-    Returns the read requests by stored name and a function that turns the arrays read into
-    a tree with the target's structure and leaf types. With `partial`, saved leaves that the
-    target lacks are allowed (and not read). Uncommitted live arrays in the target land
-    replicated on the mesh of its other leaves (`replicated_sharding`), or on `home` when
-    the target places nothing.
-    """
-    home = replicated_sharding(target) or home
-    pairs, treedef = tree_util.tree_flatten_with_path(target)
-    if not pairs and saved:
-        raise TreeMismatchError(
-            f"the {item} target holds no arrays (every leaf of it is None, or it is empty), "
-            f"so nothing of the {len(saved)} leaves saved at step {step} can be restored into "
-            "it. Pass a tree whose leaves are jax.ShapeDtypeStruct with a sharding (or live "
-            "arrays). With Equinox, eqx.is_array is False for a ShapeDtypeStruct: partition "
-            "eqx.filter_eval_shape(...) by `lambda x: isinstance(x, jax.ShapeDtypeStruct)`, "
-            "not by eqx.is_array (docs: 'Equinox and Levanter-style trainers')."
-        )
-    by_name = {s.name: s for s in saved}
-    target_leaves: dict[str, tuple[tuple, Any]] = {}  # name: (key path, leaf)
-    for path, leaf in pairs:
-        name = leaf_name(path)
-        if name in target_leaves:
-            raise TreeMismatchError(
-                f"{item} target leaves {tree_util.keystr(target_leaves[name][0])} and "
-                f"{tree_util.keystr(path)} both stand for the stored name {name!r} (stored names "
-                "join the path with '.'), so no checkpoint can fill both; rename one key."
-            )
-        target_leaves[name] = (path, leaf)
-
-    missing = [_display(_entries(p)) for n, (p, _) in target_leaves.items() if n not in by_name]
-    extra = [] if partial else [s.display for s in saved if s.name not in target_leaves]
-    if missing or extra:
-        lines = [f"the {item} target does not match the {item} saved at step {step}:"]
-        if missing:
-            lines.append(f"  in the target but not in the checkpoint: {_listing(missing)}")
-        if extra:
-            lines.append(f"  in the checkpoint but not in the target: {_listing(extra)}")
-        lines.append(
-            "Build the target from the same model and optimizer definition that was saved "
-            "(e.g. jax.eval_shape of the init function)"
-            + ("." if missing else ", or pass partial=True to restore only the target's leaves.")
-        )
-        raise TreeMismatchError("\n".join(lines))
-
-    mismatches, unsharded = [], []
-    requests: dict[str, ReadRequest] = {}
-    for name, (_, leaf) in target_leaves.items():
-        spec = by_name[name]
-        if problem := _compare(leaf, spec):
-            mismatches.append(f"  leaf {spec.display}: {problem}")
-            continue
-        sharding = _target_sharding(leaf, home)
-        if sharding is _MISSING:
-            unsharded.append(spec.display)
-            continue
-        if sharding is not None:
-            try:
-                sharding.shard_shape(spec.shape)
-            except ValueError as e:
-                raise ShardingError(
-                    f"{item} leaf {spec.display} of shape {spec.shape} cannot be placed on the "
-                    f"target's sharding {sharding}: {e}. Choose a PartitionSpec whose mesh "
-                    "axes divide the dimensions, or replicate that dimension (None)."
-                ) from None
-        requests[name] = ReadRequest(spec.stored_shape, spec.stored_dtype, sharding)
-    if mismatches:
-        raise LeafMismatchError(
-            f"the {item} target differs from the {item} saved at step {step}:\n"
-            + "\n".join(mismatches)
-            + "\nRestore into a target with the saved shapes and dtypes, and cast afterwards."
-        )
-    if unsharded:
-        raise MissingShardingError(
-            f"{item} target leaves have no sharding on concrete devices, so jaxckpt cannot "
-            f"tell where to put them: {_listing(unsharded)}. Build the target with "
-            "jaxckpt.target_on_mesh / target_from_flax / target_like, give each "
-            "jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec)), pass live "
-            "jax.Arrays, or pass NumPy arrays to restore on the host."
-        )
-
-    def rebuild(arrays: Mapping[str, Any]) -> Any:
-        leaves = [
-            _decode(arrays[name], by_name[name], leaf) for name, (_, leaf) in target_leaves.items()
-        ]
-        return tree_util.tree_unflatten(treedef, leaves)
-
-    return requests, rebuild
-
-
-def uniform_requests(
-    saved: Sequence[LeafSpec], sharding: jax.sharding.Sharding | None
-) -> dict[str, ReadRequest]:
-    """Read requests that put every saved leaf on `sharding` (None: NumPy on the host)."""
-    return {s.name: ReadRequest(s.stored_shape, s.stored_dtype, sharding) for s in saved}
-
-
-def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
-    """Rebuilds nested dicts/lists from the recorded paths (restore without a target)."""
-    if len(saved) == 1 and not saved[0].path:
-        return _decode(arrays[saved[0].name], saved[0], None)
-    root: dict = {}
-    sequences: set[int] = set()
-    for spec in saved:
-        node = root
-        for depth, (kind, key) in enumerate(spec.path):
-            if kind == "seq":
-                sequences.add(id(node))
-            if depth == len(spec.path) - 1:
-                node[key] = _decode(arrays[spec.name], spec, None)
-            else:
-                node = node.setdefault(key, {})
-
-    def finish(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if id(node) in sequences:
-            return [finish(node[k]) for k in sorted(node)]
-        return {k: finish(v) for k, v in node.items()}
-
-    return finish(root)
-
-
-_MISSING = object()
-
-
-def replicated_sharding(target: Any) -> jax.sharding.Sharding | None:
-    """Full replication over the mesh of the target's placed leaves (or over its one
-    device); None when it places nothing (host arrays, scalars, uncommitted arrays only).
-
-    Where uncommitted arrays of a target land, and PRNG keys restored without a target:
-    `optax.adam(...).init`, `nnx.Optimizer`, `nnx.MultiMetric` and `nnx.Rngs` make scalars
-    uncommitted on device 0 beside parameters on a mesh. Restored onto device 0 they would
-    be committed there, and the next jitted step would refuse arguments on two device sets.
-    """
-    shardings = [
-        leaf.sharding
-        for leaf in jax.tree.leaves(target)
-        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
-        and getattr(leaf, "sharding", None) is not None
-        and not isinstance(getattr(leaf.sharding, "mesh", None), jax.sharding.AbstractMesh)
-        and not _uncommitted(leaf)
-    ]
-    for sharding in shardings:
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return next((s for s in shardings if len(s.device_set) == 1), None)
-
-
-def _uncommitted(leaf: Any) -> bool:
-    """A live array JAX may still move (made without a device: `jnp.zeros([])`)."""
-    return isinstance(leaf, jax.Array) and not leaf.committed
-
-
-def _target_sharding(leaf: Any, home: jax.sharding.Sharding | None = None) -> Any:
-    if home is not None and _uncommitted(leaf):
-        return home
-    if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None or isinstance(
-            getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
-        ):
-            return _MISSING  # nowhere to put it, or only an abstract mesh without devices
-        return sharding
-    return None  # NumPy arrays and Python scalars are restored on the host
-
-
-def _is_python_scalar(leaf: Any) -> bool:
+def is_python_scalar(leaf: Any) -> bool:
     # np.float64 subclasses float: it is a NumPy scalar, not a Python one.
     return isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic)
 
 
-def _compare(leaf: Any, spec: LeafSpec) -> str | None:
-    """Says how a target leaf differs from the saved one, or None if it matches."""
-    if _is_python_scalar(leaf):
-        saved_kind = np.dtype(spec.dtype).kind if spec.kind != KEY else "key"
-        want = {bool: "b", int: "iu", float: "f"}[type(leaf)]
-        if spec.shape != () or saved_kind not in want:
-            return (
-                f"a Python {type(leaf).__name__} in the target but "
-                f"{_describe(spec.shape, spec.dtype)} in the checkpoint"
-            )
-        return None
-    shape = tuple(getattr(leaf, "shape", ()))
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-        return (
-            f"the target leaf is a {type(leaf).__name__}; use jax.ShapeDtypeStruct, jax.Array, "
-            "NumPy arrays or Python scalars as target leaves"
-        )
-    dtype_name = _target_dtype_name(dtype)
-    if shape != spec.shape or dtype_name != spec.dtype:
-        return (
-            f"{_describe(shape, dtype_name)} in the target but "
-            f"{_describe(spec.shape, spec.dtype)} in the checkpoint"
-        )
-    return None
-
-
-def _decode(value: Any, spec: LeafSpec, target_leaf: Any) -> Any:
-    if spec.kind == KEY:
-        return jax.random.wrap_key_data(value, impl=spec.key_impl)
-    if _is_python_scalar(target_leaf):
-        return type(target_leaf)(np.asarray(value).item())
-    if isinstance(target_leaf, np.generic):
-        return np.asarray(value)[()]
-    if target_leaf is None and spec.kind == PYTHON:  # no target (a tree's leaf is never None)
-        return np.asarray(value).item()
-    return value
-
-
-@functools.lru_cache(maxsize=256)
-def _target_dtype_name(dtype: Any) -> str:
-    """A target leaf's dtype as recorded: a key dtype's name (`key<fry>`), else NumPy's."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return str(dtype)
-    return np.dtype(dtype).name
-
-
 def leaf_name(path: tuple) -> str:
     """The stored name of the leaf at a `jax.tree_util` key path (`params.w`)."""
-    return _name(_entries(path))
+    return _name(path_entries(path))
 
 
-def _entries(path: tuple) -> tuple[tuple[str, Any], ...]:
+def path_entries(path: tuple) -> tuple[tuple[str, Any], ...]:
     out = []
     for e in path:
         if isinstance(e, tree_util.DictKey):
@@ -658,20 +460,11 @@ def _name(entries: tuple[tuple[str, Any], ...]) -> str:
     return ".".join(str(key) for _, key in entries) or "_"
 
 
-def _display(entries: Sequence[tuple[str, Any]]) -> str:
+def display(entries: Sequence[tuple[str, Any]]) -> str:
     """How errors name a leaf: its stored name, the one spelling the CLI uses too."""
     return _name(entries) if entries else "_ (the tree's root)"
 
 
-def _describe(shape: Sequence[int], dtype: str) -> str:
-    return f"shape {tuple(shape)} dtype {dtype}"
-
-
-def _listing(paths: Sequence[str], limit: int = 20) -> str:
-    shown = ", ".join(paths[:limit])
-    return shown + (f" (and {len(paths) - limit} more)" if len(paths) > limit else "")
-
-
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -134,9 +134,9 @@ def test_a_save_failing_after_its_background_commit_started_says_whether_it_comm
 
     save = _orbax.OrbaxStore.save
 
-    def fail_at_step_2(self, step, **kwargs):  # Orbax's save returned: the commit runs
-        save(self, step, **kwargs)
-        if step == 2:
+    def fail_at_step_2(self, info, *args):  # Orbax's save returned: the commit runs
+        save(self, info, *args)
+        if info.step == 2:
             raise OSError("the barrier after the write started failed")
 
     monkeypatch.setattr(_orbax.OrbaxStore, "save", fail_at_step_2)

@@ -217,7 +217,7 @@ def test_messages_name_cli_flags_not_python_arguments(ckpt, corrupt, keyed, tmp_
 def test_the_library_keeps_its_python_hints(ckpt, corrupt, tmp_path):
     """The same errors raised in Python name Python arguments. CLI_WORDS rewrites these
     exact sentences, so a library message reworded without the CLI's table fails here."""
-    from jaxckpt.cli import CLI_WORDS
+    from jaxckpt.cli._common import CLI_WORDS
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("taken")

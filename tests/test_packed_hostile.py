@@ -193,17 +193,20 @@ def test_a_grid_of_pieces_as_a_multi_process_save_writes_them_restores_bitwise(c
     np.testing.assert_array_equal(got.state["small"], whole, strict=True)
 
 
-def test_diff_values_on_an_inflated_step_is_an_error_not_an_allocation(ckpt):
-    # diff reads without verifying: the index alone must be refused. Both steps inflated
-    # alike, so that the leaf is read from both rather than reported changed.
+@pytest.mark.parametrize("rehash", [True, False], ids=["manifest-rewritten", "checksums-fail"])
+def test_diff_values_on_an_inflated_step_is_an_error_not_an_allocation(ckpt, rehash):
+    # Both steps inflated alike, so that the leaf is read from both rather than reported
+    # changed. With the manifest rewritten the index alone must be refused; without, diff
+    # verifies as every read does, and the files' checksums refuse it.
     for step in ("1", "2"):
-        _gib_in_two_pieces(ckpt / step, rehash=False)
+        _gib_in_two_pieces(ckpt / step, rehash=rehash)
     got, stdout = _run("diff", ckpt)
     assert got["exit"] == 2, stdout
     assert got["grew"] < MAX_GROWTH
     (report,) = [json.loads(line) for line in stdout.splitlines() if '"type"' in line]
     assert report["type"] == "CorruptCheckpointError", report
-    assert "0-of-1.bin holds 8208 bytes" in report["error"]
+    why = "0-of-1.bin holds 8208 bytes" if rehash else "expected (truncated or grown)"
+    assert why in report["error"]
 
 
 # --- the child: python -m test_packed_hostile restore|diff DIRECTORY ------------------------

@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
+from jaxckpt._match import plan_restore
 from jaxckpt._plan import RESTORE_FIXED_BYTES, process_bytes, read_batches
-from jaxckpt._tree import LeafSpec, plan_restore
+from jaxckpt._tree import LeafSpec
 
 
 def make_mesh(shape, names, axis_type=AxisType.Auto, devices=None):

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxckpt import _integrity, _layout, _orbax
+from jaxckpt import _layout, _reader
+from jaxckpt._match import uniform_requests
 from jaxckpt._plan import read_batches
-from jaxckpt._tree import KEY, LeafSpec, uniform_requests
+from jaxckpt._tree import KEY, LeafSpec
 from jaxckpt.hf import _files
 from jaxckpt.hf._names import NameMap
 
@@ -73,21 +74,18 @@ def export_safetensors(
     limit = _files.parse_size(max_shard_size)
     name_map = NameMap.load(names)
 
-    store = _orbax.OrbaxStore(checkpoint_dir, read_only=True)
-    try:
-        step = store.scan().resolve(step)
+    with _reader.open(checkpoint_dir) as ckpt:
+        step = ckpt.resolve(step)
         # The files are hashed while the tensors are written to a temporary directory,
         # which is published only if they match: corrupt weights are never shipped.
-        with _integrity.verified_while_reading(
-            store.directory, step, store.step_dir(step), verify=not store.is_orbax(step)
-        ) as check:
-            info = store.info(step, item)
+        with ckpt.verified(step) as check:
+            info, _ = ckpt.describe(step, item)
             by_name = _files.select({s.name: s for s in info.state}, include, exclude)
             placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
             unsupported = _files.cannot_hold(placements, by_name, keys, cast)
             written = [by_name[p.leaf] for p in placements if p.leaf not in unsupported]
-            reader = _LeafReader(store, info, written)
+            reader = _LeafReader(ckpt, info, written)
             try:
                 files, skipped = _files.plan(
                     placements,
@@ -102,8 +100,6 @@ def export_safetensors(
                 _files.write(out_dir, files, meta, overwrite, before_publish=check)
             finally:
                 reader.close()
-    finally:
-        store.close()
     done = _files.exported(out_dir, step, files, skipped)
     log.info(
         "exported step %d to %s: %d tensors in %d file(s)", step, out_dir, done.tensors, len(files)
@@ -116,9 +112,9 @@ class _LeafReader:
     most `READ_BATCH_BYTES` (or one larger leaf), the next batch read in a worker thread while
     the current one is written. At most two batches are held."""
 
-    def __init__(self, store: _orbax.OrbaxStore, info: _layout.StepInfo, specs: list[LeafSpec]):
+    def __init__(self, ckpt: _reader.Checkpoint, info: _layout.StepInfo, specs: list[LeafSpec]):
         requests = uniform_requests([s for s in specs if s.kind != KEY], None)  # never exported
-        self._read = lambda names: store.read_arrays(
+        self._read = lambda names: ckpt.read_arrays(
             info, _layout.STATE, {n: requests[n] for n in names}
         )
         self._batches = read_batches(requests, READ_BATCH_BYTES)

@@ -1,0 +1,539 @@
+"""Reading a checkpoint: `jaxckpt.open(directory)`, and the one way every read goes.
+
+`restore`, `diff`, `verify`, both exports and every CLI command read through a
+`Checkpoint`: it lists the steps, describes one, reads it onto a target (verified against
+its manifest), and verifies steps. A `CheckpointManager` reads through the `Checkpoint` of
+its own store, and its local tier through `read_trees` on its local store.
+
+A restore goes down, and never back up (the docs' architecture page states it so):
+
+    Checkpoint.read                  the step asked for, or the newest that verifies
+      Checkpoint._read_step          one step:
+        store.info                   its StepInfo (`_layout`, or what Orbax recorded)
+        check_data                   the data iterator against what was saved; all agree
+        _integrity                   files against the manifest: a share each, agreed, or
+                                     hashed while the arrays are read
+        read_trees                   the trees: per item, `_match.plan_restore` (the target
+                                     against the leaf specs), `store.read_arrays` (Orbax
+                                     arrays and packed leaves, `_transfer`), rebuilt
+        _iterators.restore           the data iterator moved, last
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps
+from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
+from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
+from jaxckpt._tree import ReadRequest, check_step, gc_paused
+from jaxckpt.errors import (
+    CorruptCheckpointError,
+    DataStateError,
+    JaxckptError,
+    NoCheckpointError,
+    StepNotFoundError,
+    TreeMismatchError,
+)
+
+log = logging.getLogger("jaxckpt")
+_READ_BATCH_BYTES = 256 * 2**20  # what `verify` reads of a plain Orbax step at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `CheckpointManager.restore` (and `Checkpoint.read`) returns.
+
+    Attributes:
+      step: the step restored.
+      state: the state tree: the target's structure and shardings, or nested dicts/lists of
+        host NumPy arrays when restored without a target (typed PRNG keys in it as JAX key
+        arrays).
+      rng: the PRNG keys saved with `rng=` (same dtype and impl), or None.
+      meta: the JSON `meta=` saved with the step, or None.
+      data: the data iterator passed to `restore`, now at the saved position, or None.
+      tier: where it came from: "local" (the local tier, `LocalTier`) or "persistent".
+    """
+
+    step: int
+    state: Any
+    rng: Any
+    meta: Any
+    data: Any
+    tier: str = "persistent"
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """What a restore asks for (`CheckpointManager.restore`'s arguments)."""
+
+    state: Any = None
+    rng: Any = None
+    data: Any = None
+    mismatch_ok: bool = False
+    partial: bool = False
+    item: str | None = None
+
+
+class Store(Protocol):
+    """The one interface of a tier's store: `_orbax.OrbaxStore` (the persistent directory,
+    committed through Orbax: a step's folder renamed into place, or its commit file written
+    last on object storage) and `_local.LocalStore` (this process's part of a step, renamed
+    into place in its own directory). They differ only in how they commit. A reader uses
+    `info` and `read_arrays`; the manager the rest."""
+
+    directory: Any
+
+    def steps(self) -> list[int]: ...  # committed, oldest first
+
+    def info(self, step: int) -> _layout.StepInfo: ...
+
+    def read_arrays(
+        self, info: _layout.StepInfo, item: str, requests: dict[str, ReadRequest]
+    ) -> dict[str, Any]: ...
+
+    def save(
+        self, info: _layout.StepInfo, arrays: Any, data: str | None, data_about: str | None
+    ) -> None: ...  # returns once the arrays are off the devices; commits in the background
+
+    def wait(self) -> None: ...  # until the save in flight is committed (its error raised)
+
+    def delete(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open(
+    directory: str | os.PathLike,
+    *,
+    verify: bool = True,
+    restore_inflight_bytes: int | None = None,
+) -> Checkpoint:
+    """Opens a checkpoint directory to read: jaxckpt's, or one plain Orbax or Flax wrote.
+
+    Takes no lock and writes nothing; close it (or use it as a context manager).
+
+    >>> import jax.numpy as jnp, numpy as np, tempfile, jaxckpt
+    >>> directory = tempfile.mkdtemp()
+    >>> with jaxckpt.CheckpointManager(directory) as mngr:
+    ...     mngr.save(7, state={"w": jnp.arange(3.0)})
+    >>> with jaxckpt.open(directory) as ckpt:
+    ...     ckpt.steps(), ckpt.read(state={"w": np.zeros(3, np.float32)}).state["w"].tolist()
+    ([7], [0.0, 1.0, 2.0])
+
+    Args:
+      directory: a local path or `gs://bucket/prefix`.
+      verify: check each step's files against its manifest as it is read.
+      restore_inflight_bytes: read leaves in batches of at most this many bytes per
+        process (None: a quarter of the host's memory).
+    """
+    budget = restore_inflight_bytes or auto_inflight_bytes()
+    store = _orbax.OrbaxStore(directory, read_only=True, restore_inflight_bytes=budget)
+    return Checkpoint(store, verify=verify, restore_inflight_bytes=budget, owned=True)
+
+
+class Checkpoint:
+    """A checkpoint directory, read: its steps, what each holds, and reads onto a target.
+
+    Made by `jaxckpt.open`; a `CheckpointManager` reads through one over its own store.
+    """
+
+    def __init__(
+        self, store: Any, *, verify: bool, restore_inflight_bytes: int, owned: bool = False
+    ):
+        self._store, self._verify, self._owned = store, verify, owned
+        self._restore_inflight_bytes = restore_inflight_bytes
+        self._warned: set[str] = set()  # the unreadable step folders logged
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._store.directory
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owned:
+            self._store.close()
+
+    # ---------------------------------------------------------------------------- listing
+
+    def listing(self, *, newest: bool = False) -> _layout.Listing:
+        """The directory as it is now (`_layout.Listing`); `newest`: only down to the newest
+        committed step, whatever the number of steps."""
+        return self._store.scan(newest=newest)
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first: jaxckpt's and those plain Orbax wrote."""
+        return list(self.listing().committed)
+
+    def latest(self) -> int | None:
+        """The newest committed step (None: none). It looks only at the step folders from
+        the newest down to it; step-like folders it meets that no one can read are logged
+        as warnings, each once, and where there is nothing else the warning says that a
+        resume from here starts over."""
+        listing = self.listing(newest=True)
+        self._warn_unreadable(listing)
+        return listing.latest
+
+    def _warn_unreadable(self, listing: _layout.Listing) -> None:
+        """Logs each step-like folder no one can read (damaged or foreign) that `listing`
+        met, once: a resume would otherwise pass over it without a word."""
+        found = {repr(name): why for name, why in listing.unreadable.items()}
+        found.update((str(s), f"damaged: {why}") for s, why in listing.damaged.items())
+        new = {name: why for name, why in sorted(found.items()) if name not in self._warned}
+        self._warned.update(new)
+        for name, why in new.items():  # an untrusted name, escaped by repr
+            log.warning("%s: step folder %s cannot be read: %s", self.directory, name, why)
+        if new and listing.latest is None:
+            log.warning(
+                "%s holds no step jaxckpt can read, only the %d step-like folder(s) above: "
+                "latest_step() is None, and a run that resumes from it starts over beside "
+                "them. Check the directory, or see the docs' 'Coming from Orbax' for what "
+                "jaxckpt reads.",
+                self.directory,
+                len(found),
+            )
+
+    # ---------------------------------------------------------------------------- one step
+
+    def resolve(self, step: int | None) -> int:
+        """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
+        listing = self.listing(newest=step is None)
+        if step is None:
+            self._warn_unreadable(listing)
+        return listing.resolve(None if step is None else check_step(step))
+
+    def describe(
+        self, step: int | None = None, item: str | None = None
+    ) -> tuple[_layout.StepInfo, str]:
+        """A committed step's metadata (None: the latest) and which of its trees `item`
+        names: of a jaxckpt step "state" (None) or "rng"; of a plain Orbax step one of its
+        pytree items (None or "state": its only one). Reads no array."""
+        step = self.resolve(step)
+        try:
+            return self._store.tree(step, item)
+        except FileNotFoundError:
+            raise self._gone(step) from None
+
+    def is_checksummed(self, step: int) -> bool:
+        """Whether the step has a manifest: jaxckpt wrote it (not plain Orbax)."""
+        return not self._store.is_orbax(step)
+
+    def folder(self, step: int) -> epath.Path:
+        return self._store.step_dir(step)
+
+    def meta(self, step: int | None = None) -> Any:
+        """The `meta=` saved with a step (None: the latest committed), reading no array."""
+        step = self.resolve(step)
+        return None if self._store.is_orbax(step) else self.info(step).meta
+
+    def plan(
+        self, step: int | None = None, *, state: Any, partial: bool = False, item: str | None = None
+    ) -> RestorePlan:
+        """A restore dry-run of `state` (see `CheckpointManager.plan`)."""
+        step = self.resolve(step)
+        specs = self.info(step, item).state
+        requests, _ = plan_restore(state, specs, item=_layout.STATE, step=step, partial=partial)
+        return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
+
+    def read_arrays(
+        self, info: _layout.StepInfo, item: str, requests: dict[str, ReadRequest]
+    ) -> dict[str, Any]:
+        """The named arrays of one item of a step, each onto its sharding (or to the host).
+        Unverified by itself: read inside `verified(step)`."""
+        return self._store.read_arrays(info, item, requests)
+
+    def verified(self, step: int) -> Any:
+        """A context manager in which a step is read while its files are hashed beside; it
+        raises CorruptCheckpointError on leaving if they do not match (or what was read
+        failed because of it). It yields `check()`, which waits for the verdict now (an
+        export publishes only after it). A step plain Orbax wrote is not checked."""
+        verify = self._verify and self.is_checksummed(step)
+        return _integrity.verified_while_reading(
+            self.directory, step, self.folder(step), verify=verify
+        )
+
+    # ---------------------------------------------------------------------------- restore
+
+    def read(
+        self,
+        step: int | None = None,
+        *,
+        state: Any = None,
+        rng: Any = None,
+        data: Any = None,
+        partial: bool = False,
+        fallback: bool = False,
+        data_mismatch_ok: bool = False,
+        item: str | None = None,
+    ) -> Restored:
+        """A committed step onto a target (`step=None`: the latest committed one), verified
+        against its manifest; the arguments are `CheckpointManager.restore`'s."""
+        wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
+        for _ in range(3):  # the step chosen was deleted meanwhile: choose again
+            try:
+                return self._read_newest(step, wanted, fallback)
+            except _Deleted as e:
+                if step is not None:
+                    raise self._gone(e.step) from e.__cause__
+                log.warning("restore: step %d was deleted while it was read; again", e.step)
+        raise NoCheckpointError(
+            f"the latest committed step in {self.directory} was deleted three times while it "
+            "was read: another job's retention keeps deleting steps. Restore a step that "
+            "job keeps (step=...), or stop it first."
+        )
+
+    def _read_newest(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
+        skipped = []
+        for candidate in self._candidates(step, fallback):
+            try:
+                with gc_paused():
+                    return self._read_step(candidate, wanted)
+            except Exception as e:
+                if candidate not in self.steps():
+                    raise _Deleted(candidate) from e
+                if not isinstance(e, CorruptCheckpointError) or not fallback or step is not None:
+                    raise
+                log.warning("restore: skipping step %d: %s", candidate, "; ".join(e.problems))
+                skipped.append(f"step {candidate}: {'; '.join(e.problems)}")
+        raise NoCheckpointError(
+            f"no committed step in {self.directory} verifies: {' | '.join(skipped)}"
+        )
+
+    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
+        """The steps to try, newest first; damaged step folders are reported, not tried."""
+        listing = self.listing(newest=step is None and not fallback)
+        if step is not None:
+            return [listing.resolve(check_step(step))]
+        self._warn_unreadable(listing)
+        latest = listing.resolve(None)
+        log.info("restoring the latest committed step %d from %s", latest, self.directory)
+        return sorted(listing.committed, reverse=True) if fallback else [latest]
+
+    def _read_step(self, step: int, wanted: Wanted) -> Restored:
+        """Restores a step; verified, only if its files match the manifest.
+
+        One process hashes the files in a worker thread while it reads the arrays, and
+        returns nothing (moves no data iterator) unless they match. Several processes first
+        agree on the verdict (a collective), then read, so no process reads a corrupt step
+        that another refuses. A step plain Orbax wrote has no manifest: it is read as is.
+        """
+        data = wanted.data
+        several = jax.process_count() > 1
+        verify = self._verify and self.is_checksummed(step)
+        if verify and several:
+            self._check_share(step)
+        info = None
+        if data is not None or not verify:  # before any array is read or file hashed
+            info = self.info(step, wanted.item)
+            check_data(info, data, wanted.mismatch_ok, self.directory)
+        with _integrity.verified_while_reading(
+            self.directory, step, self.folder(step), verify=verify and not several
+        ):
+            info = info or self.info(step, wanted.item)
+            restored = read_trees(info, wanted, self._store)
+        if data is not None:  # last: after everything else was read (and verified)
+            _iterators.restore(data, info, self.directory)
+            restored = dataclasses.replace(restored, data=data)
+        return restored
+
+    def _check_share(self, step: int) -> None:
+        """Each process checks a share of the step's files; all agree on the verdict."""
+        share = (jax.process_index(), jax.process_count())
+        problems = _integrity.verify_step(self.folder(step), step, share=share).problems
+        found = refusing("; ".join(problems) or None)
+        if found and not problems:
+            problems = (f"process(es) {found} found files that do not match the manifest",)
+        if problems:
+            raise CorruptCheckpointError(step, problems, str(self.directory))
+
+    def info(self, step: int, item: str | None = None) -> _layout.StepInfo:
+        """A committed step's metadata, checked (CorruptCheckpointError if damaged); of a
+        plain Orbax step, of its pytree item `item`. `step` as a listing gave it."""
+        try:
+            return self._store.info(step, item)
+        except FileNotFoundError:
+            raise self._gone(step) from None
+
+    def _gone(self, step: int) -> JaxckptError:
+        """A step whose metadata is missing: deleted meanwhile, or damaged."""
+        if step not in self.steps():
+            return StepNotFoundError(
+                step,
+                self.steps(),
+                str(self.directory),
+                why=" (it was deleted while it was read: retention in the job writing there?)",
+            )
+        return CorruptCheckpointError(
+            step, [f"{_layout.INFO_PATH} is missing"], str(self.directory)
+        )
+
+    # ---------------------------------------------------------------------------- verify
+
+    def verify(
+        self, step: int | None = None, *, progress: _integrity.Progress | None = None
+    ) -> list[_integrity.StepReport]:
+        """Verifies every committed step (or one); reads, never writes.
+
+        Also reports step folders that look like damaged jaxckpt steps: empty, or holding a
+        `jaxckpt/` folder without its metadata. Folders jaxckpt did not write are not judged.
+        A step plain Orbax wrote has no manifest: each of its arrays is read whole instead,
+        and its report says it is not checksummed (`StepReport.checksummed`)."""
+        listing = self.listing()
+        reports = []
+        for s in sorted({*listing.folders, *listing.committed}):
+            if step is not None and s != step:
+                continue
+            if s in listing.orbax:
+                reports.append(self._read_whole(s, listing.orbax[s], progress))
+            elif s in listing.committed:
+                reports.append(_integrity.verify_step(listing.folders[s], s, progress=progress))
+            elif s in listing.damaged:
+                reports.append(_integrity.StepReport(s, 0, 0, (listing.damaged[s],)))
+        if step is not None and not reports:
+            raise StepNotFoundError(step, listing.committed, str(listing.directory))
+        return reports
+
+    def _read_whole(
+        self, step: int, found: _layout.OrbaxStep, progress: _integrity.Progress | None
+    ) -> _integrity.StepReport:
+        """What can be checked of a step plain Orbax wrote: each pytree item's metadata, and
+        every array read whole to the host (one batch at a time), as Orbax reads it."""
+        problems, leaves, total = [], 0, 0
+        for item in found.items_of("pytree"):
+            try:
+                info = self._store.info(step, item)
+            except CorruptCheckpointError as e:
+                problems.extend(e.problems)
+                continue
+            problems.extend(
+                f"item {item}: {p}" for p in _orbax_steps.missing_chunks(found.item_dir(item))
+            )
+            requests = uniform_requests(info.state, None)
+            sizes = {s.name: s.nbytes for s in info.state}
+            size, done = sum(sizes.values()), 0
+            for batch in read_batches(requests, _READ_BATCH_BYTES):
+                try:
+                    self._store.read_arrays(info, _layout.STATE, {n: requests[n] for n in batch})
+                except JaxckptError as e:
+                    problems.extend(getattr(e, "problems", None) or [f"item {item}: {e}"])
+                done += sum(sizes[n] for n in batch)
+                if progress is not None:
+                    progress(step, done, size)
+            leaves, total = leaves + len(info.state), total + size
+        return _integrity.StepReport(step, leaves, total, tuple(problems), checksummed=False)
+
+
+def verify(
+    directory: str | os.PathLike,
+    step: int | None = None,
+    *,
+    progress: _integrity.Progress | None = None,
+) -> list[_integrity.StepReport]:
+    """Verifies every committed step (or one) of a checkpoint directory; reads, never writes
+    (`Checkpoint.verify`)."""
+    with open(directory) as ckpt:
+        return ckpt.verify(step, progress=progress)
+
+
+class _Deleted(Exception):
+    """The step being restored was deleted meanwhile (by the writer's retention)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+# ------------------------------------------------------------------ one step, either tier
+
+
+def check_data(info: _layout.StepInfo, data: Any, mismatch_ok: bool, directory: Any) -> None:
+    """Refuses, before any array is read, a data iterator unlike the one saved (or one
+    for a step saved without data=). Every process decides on its own iterator, then all
+    agree (a collective), so that none reads arrays while another gave up."""
+    if data is None:
+        return
+    try:
+        problem: str | Exception | None = _iterators.problem(info, data, mismatch_ok, directory)
+    except JaxckptError as e:  # a damaged description: raised once all processes know
+        problem = e
+    found = refusing(None if problem is None else str(problem))
+    if problem is None and found:
+        problem = (
+            f"process(es) {found} refused their data iterator for step {info.step} (their "
+            "errors say why); nothing was read"
+        )
+    if isinstance(problem, Exception):
+        raise problem
+    if problem is not None:
+        raise DataStateError(problem)
+
+
+def items(info: _layout.StepInfo, wanted: Wanted) -> list[tuple]:
+    """The items a restore reads: (item, target, home sharding, partial) each."""
+    found = [(_layout.STATE, wanted.state, None, wanted.partial)]
+    if info.rng:
+        found.append((_layout.RNG, wanted.rng, replicated_sharding(wanted.state), False))
+    return found
+
+
+def plan_item(info, item, target, default_sharding, partial) -> tuple[dict, Callable]:
+    """What to read of an item, and how to rebuild its tree from what was read."""
+    specs = info.leaves(item)
+    if target is None:
+        return uniform_requests(specs, default_sharding), lambda arrays: nest(specs, arrays)
+    return plan_restore(
+        target, specs, item=item, step=info.step, partial=partial, home=default_sharding
+    )
+
+
+def read_trees(info: _layout.StepInfo, wanted: Wanted, store: Store) -> Restored:
+    """The step's trees, read from `store` onto the target (no data iterator moved)."""
+    step, rng = info.step, wanted.rng
+    kinds = info.rng_node_types
+    if rng is None and info.rng and kinds:  # before any array is read
+        raise TreeMismatchError(
+            f"the PRNG keys of step {step} were saved from a tree of {', '.join(kinds)}, "
+            "which a restore without an rng= target cannot rebuild: it would return "
+            "nested dicts that e.g. nnx.update takes silently and dropout later fails on. "
+            "Pass rng= an object of the same kind, built like the saved one (for "
+            "nnx.Rngs: rng=nnx.state(rngs) of a fresh nnx.Rngs(...) with the same "
+            "streams, then nnx.update(rngs, restored.rng))."
+        )
+    if not info.rng and rng is not None:
+        raise TreeMismatchError(f"step {step} holds no PRNG keys (it was saved without rng=)")
+    if info.data is not None and wanted.data is None:
+        log.warning(
+            "restore: step %d holds each process's data-iterator state, which is not "
+            "restored without data=: pass data= an iterator built like the saved one to "
+            "go on with the data where the run stopped",
+            step,
+        )
+    trees = {}
+    for item, target, home, partial in items(info, wanted):
+        requests, rebuild = plan_item(info, item, target, home, partial)
+        trees[item] = rebuild(store.read_arrays(info, item, requests))
+    return Restored(
+        step=step, state=trees[_layout.STATE], rng=trees.get(_layout.RNG), meta=info.meta, data=None
+    )
+
+
+def refusing(problem: str | None) -> list[int]:
+    """The processes that found a problem (this one's given), agreed by all (a collective
+    in a multi-process job: every process calls it in turn)."""
+    if jax.process_count() == 1:
+        return [] if problem is None else [0]
+    flags = multihost_utils.process_allgather(np.int32(problem is not None))
+    return [i for i, f in enumerate(np.ravel(flags)) if f]

@@ -1,0 +1,141 @@
+"""Which tier serves a restore, agreed by every process: the local tier (`LocalTier`) when
+every process can restore the step from its own part, else the persistent directory.
+
+    Tiers.restore
+      _local_candidates        the newest steps whose every part is somewhere (a collective),
+                               unless the persistent tier has a newer one
+      _fetch_if_lost           a process lacking its part fetches it from a peer's copy
+      _local_problem           each checks its part holds what the target needs; all agree
+      _reader.read_trees       then the step is read, each process from its own directory
+      Checkpoint.read          or, if none serves, the persistent tier
+
+A `CheckpointManager` with no local tier reads through `Checkpoint.read` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from jaxckpt import _iterators, _local, _transfer
+from jaxckpt._reader import (
+    Checkpoint,
+    Restored,
+    Wanted,
+    items,
+    plan_item,
+    read_trees,
+    refusing,
+)
+from jaxckpt._tree import check_step, gc_paused
+
+log = logging.getLogger("jaxckpt")
+
+
+class Tiers:
+    """The persistent tier's reader and, if set, this process's local store."""
+
+    def __init__(self, persistent: Checkpoint, local: _local.LocalStore | None):
+        self.persistent, self.local = persistent, local
+
+    def latest(self) -> int | None:
+        """The newest committed step of either tier (a local step counts once every
+        process's part of it exists: a collective, with a local tier)."""
+        newest = self.persistent.latest()
+        if self.local is not None:
+            local = _local.complete_steps(_local.holdings(self.local))
+            if local and (newest is None or local[-1] > newest):
+                return local[-1]
+        return newest
+
+    def restore(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
+        """The step from the tier that serves it (`step=None`: the newest of either)."""
+        restored = None
+        if self.local is not None and wanted.item is None:
+            restored = self._restore_local(step, wanted)
+        if restored is None:
+            restored = self.persistent.read(
+                step,
+                state=wanted.state,
+                rng=wanted.rng,
+                data=wanted.data,
+                partial=wanted.partial,
+                fallback=fallback,
+                data_mismatch_ok=wanted.mismatch_ok,
+                item=wanted.item,
+            )
+        return restored
+
+    def _restore_local(self, step: int | None, wanted: Wanted) -> Restored | None:
+        """The step from the local tier when every process can restore it from its own
+        part (agreed: a collective), else None, with the reason logged. Without `step`: the
+        newest local step every process holds, unless the persistent tier has a newer one."""
+        local = self.local
+        held = _local.holdings(local)
+        steps = _local.complete_steps(held)
+        persistent = self.persistent.listing(newest=True).latest
+        if step is not None:
+            steps = [s for s in steps if s == check_step(step)]
+        elif persistent is not None and steps and steps[-1] < persistent:
+            log.info(
+                "restore: the persistent step %d is newer than the newest local step %d",
+                persistent,
+                steps[-1],
+            )
+        for candidate in reversed(steps):
+            if step is None and persistent is not None and candidate < persistent:
+                break
+            problem = self._fetch_if_lost(candidate, held[candidate])
+            problem = problem or self._local_problem(candidate, wanted)
+            refused = refusing(problem)
+            if not refused:
+                with gc_paused():
+                    return self._restore_local_step(candidate, wanted)
+            log.warning(
+                "restore: local step %d in %s is passed over: %s",
+                candidate,
+                local.directory,
+                problem or f"process(es) {refused} cannot restore it (their logs say why)",
+            )
+        return None
+
+    def _fetch_if_lost(self, step: int, parts: dict[int, list[int]]) -> str | None:
+        """Agreed by all: which processes lack their own part of `step`, whole (checked
+        against its manifest); each of those fetches it from the first peer keeping a copy
+        (why not, if it could not)."""
+        me, local = jax.process_index(), self.local
+        own = local.own_problem(step)
+        lost = refusing(own)
+        if me not in lost:
+            return None
+        peers = [h for h in parts.get(me, []) if h != me]
+        if not peers:
+            return f"{own}, and no other process keeps a copy of it"
+        return local.fetch(step, peers[0])
+
+    def _local_problem(self, step: int, wanted: Wanted) -> str | None:
+        """Why this process cannot restore `step` from its local part, which is whole and
+        its own (`_fetch_if_lost`): None if it can."""
+        local = self.local
+        try:
+            info = local.info(step)
+            for item, target, home, partial in items(info, wanted):
+                requests, _ = plan_item(info, item, target, home, partial)
+                if problem := local.holds(info, item, requests):
+                    return problem
+            if wanted.data is not None:
+                return _iterators.problem(info, wanted.data, wanted.mismatch_ok, local.directory)
+        except Exception as e:  # the same target fails the persistent tier too: raised there
+            return f"{type(e).__name__}: {_transfer.first_line(e)}"
+        return None
+
+    def _restore_local_step(self, step: int, wanted: Wanted) -> Restored:
+        local = self.local
+        info = local.info(step)
+        restored = read_trees(info, wanted, local)
+        if wanted.data is not None:  # last: after everything else was read
+            _iterators.restore(wanted.data, info, local.directory)
+        log.info("restored step %d from the local tier (%s)", step, local.directory)
+        return dataclasses.replace(restored, data=wanted.data, tier="local")
