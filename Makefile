@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 OLD_ORBAX := .venv-orbax-0.2.3
 OLD_STAMP := $(OLD_ORBAX)/.installed-stamp
 
-.PHONY: demo test lint format clean bench bench-quick
+.PHONY: demo test lint docs format clean bench bench-quick
 
 # Re-install whenever the declared dependencies change.
 $(STAMP): pyproject.toml
@@ -25,8 +25,14 @@ $(OLD_STAMP): tests/old_orbax/requirements.txt
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) $(OLD_STAMP) lint
+test: $(STAMP) $(OLD_STAMP) lint docs
 	$(BIN)/pytest
+
+# The documentation site, into site/: strict (mkdocs.yml), so a broken link, a missing
+# anchor, a page left out of the nav or an unknown API name fails the build (never --quiet:
+# it drops the warnings that --strict counts, and a broken build passes).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Side-by-side benchmarks (BENCHMARKS.md, ~35 min on 2 cores); bench-quick: the 64 MiB state
 # only (~1 min). On a machine with an accelerator: bash benchmarks/gpu.sh
@@ -48,4 +54,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) $(OLD_ORBAX) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_ORBAX) runs site .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The Flax NNX MNIST tutorial's training code, checkpointed by the README's Quickstart.
+"""The Flax NNX MNIST tutorial's training code, checkpointed by the Quickstart's loop.
 
 The model, optimizer, metrics and train step are written the way the tutorial
 (google/flax `docs_nnx/mnist_tutorial.md`) writes them: a small CNN with dropout that holds
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         loss=nnx.metrics.Average("loss"),
     )
 
-    # ---- the README's Quickstart, as written there (with the tutorial's metrics kept too)
+    # ---- the Quickstart's loop (with the tutorial's metrics kept too)
     mngr = jaxckpt.CheckpointManager(
         args.ckpt_dir,
         policy=jaxckpt.SavePolicy(every_steps=args.every),

@@ -60,7 +60,7 @@ _HELD = 128  # the most (step, owner) pairs of parts and copies a process report
 
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
-    """The host-local tier of a `CheckpointManager` (README, "Local tier").
+    """The host-local tier of a `CheckpointManager` (docs, "Local tier").
 
     Attributes:
       directory: this process's own host-local directory (a RAM disk or local SSD); each

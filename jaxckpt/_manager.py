@@ -73,16 +73,16 @@ class CheckpointManager:
       pack_small_leaves: write every leaf of at most 1 MiB into one file per process
         (with an index to reshard from) rather than as an Orbax array of its own: thousands
         of small leaves save and restore at the speed of a few big ones (BENCHMARKS.md,
-        leaf-count sweep). False writes each leaf as plain Orbax reads it (README, "Coming
+        leaf-count sweep). False writes each leaf as plain Orbax reads it (docs, "Coming
         from Orbax"). Steps saved either way restore the same.
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
       local: a host-local tier (`LocalTier`: each process's own RAM disk or local SSD),
         saved to far more often than `directory` and restored from first when it holds the
-        newest step (README, "Local tier").
+        newest step (docs, "Local tier").
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
-        stands in for a lock (see README, "Object storage"): a writer that stops renewing
+        stands in for a lock (see the docs, "Object storage"): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer.
 
     Every process of a multi-process job creates the manager and calls each method with the
@@ -420,7 +420,7 @@ class CheckpointManager:
           item: of a step plain Orbax wrote, the pytree item to restore as the state (e.g.
             MaxText's "items"); None: its only one (ConfigError listing them if it has
             several). `data=` restores from its grain item (MaxText's "iter"). Such a step
-            has no manifest: it is read unverified (README, "Coming from Orbax").
+            has no manifest: it is read unverified (docs, "Coming from Orbax").
         """
         self._check_open()
         self._finish_pending()  # a process always sees its own saves

@@ -1,0 +1,365 @@
+"""The docs' code samples run as printed, and the docs say what the code does.
+
+The convention (docs/development.md, "Code samples run"): every ```python block of a page
+runs, in order, as one script in a fresh process on 8 CPU devices, from the repository's
+root; string literals under /ckpt/ and /mnt/ are moved into the test's tmp_path, gs://bucket/
+and gs://my-bucket/ into the test session's GCS emulator; collapsed `??? example` blocks
+hold a sample's setup and run in their place; a block that cannot run is marked
+`<!-- not run: why -->`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import jaxckpt
+from conftest import REPO, run_python
+
+DOCS = REPO / "docs"
+CPU8 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+NOT_RUN = re.compile(r"^\s*<!--\s*not run:(.*?)-->\s*$")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*\{?\s*\.?([\w+-]*)[^`]*$")
+PATHS = re.compile(r"""(["'])/(ckpt|mnt)/""")
+BUCKETS = re.compile(r"""(["'])gs://(?:my-)?bucket/""")
+# Pages whose samples a test of their own runs (more than once, with other checks).
+OWN_TEST = {"guide.md", "equinox.md"}
+# What a page's output must hold: what its samples print.
+PRINTS = {
+    "resharding.md": ["restore plan for step 1: 4 leaves"],
+    "from-orbax.md": ["100 [4 5 6 7] None"],
+    "hf.md": ["P(None, 'model')"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    language: str
+    code: str
+    line: int  # 1-based, of the opening fence
+    not_run: str | None  # the reason given by a `<!-- not run: ... -->` line before it
+
+
+def blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a Markdown text, in order (indented ones in collapsed
+    blocks too), their indentation removed."""
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, fence, language = opening.groups()
+        end = next(
+            (j for j in range(i + 1, len(lines)) if lines[j].strip() == fence),
+            None,
+        )
+        assert end is not None, f"line {i + 1}: the {fence} fence is never closed"
+        body = [line.removeprefix(indent) for line in lines[i + 1 : end]]
+        marker = NOT_RUN.match(lines[i - 1]) if i else None
+        reason = marker.group(1).strip() if marker else None
+        assert marker is None or reason, f"line {i}: `<!-- not run: -->` gives no reason"
+        found.append(Block(language, "\n".join(body) + "\n", i + 1, reason))
+        i = end + 1
+    return found
+
+
+def python_blocks(page: Path) -> list[Block]:
+    return [b for b in blocks(page.read_text()) if b.language in ("python", "py")]
+
+
+def script(page: Path, tmp_path: Path, bucket: str | None = None) -> str:
+    """The page's runnable Python blocks as one script, its paths the test's own."""
+    parts = []
+    for block in python_blocks(page):
+        if block.not_run is None:
+            parts.append(f"# --- {page.name}, line {block.line}\n{block.code}")
+    code = PATHS.sub(lambda m: f"{m[1]}{tmp_path}/{m[2]}/", "\n".join(parts))
+    if bucket is not None:
+        code = BUCKETS.sub(lambda m: f"{m[1]}{bucket}/{page.stem}/", code)
+    return code
+
+
+def run_page(page: Path, tmp_path: Path, bucket: str | None = None, **kwargs):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"sample_{page.stem}.py"  # never a module name (equinox.py)
+    path.write_text(script(page, tmp_path, bucket))
+    return run_python(str(path), env=CPU8, **kwargs)
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def test_every_docs_page_is_in_the_nav_and_the_samples_are_recognised():
+    nav = (REPO / "mkdocs.yml").read_text()
+    for page in pages():
+        assert f" {page.name}" in nav, f"docs/{page.name} is not in mkdocs.yml's nav"
+        for block in blocks(page.read_text()):
+            assert block.language, f"docs/{page.name}:{block.line}: name the fence's language"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p.name for p in pages() if p.name not in OWN_TEST and python_blocks(p)],
+)
+def test_page_samples_run(page, tmp_path, request):
+    """Every page with Python samples: they run, in order, as printed."""
+    path = DOCS / page
+    uses_gcs = BUCKETS.search(path.read_text()) is not None
+    bucket = request.getfixturevalue("gcs_bucket") if uses_gcs else None
+    proc = run_page(path, tmp_path, bucket)
+    for text in PRINTS.get(page, []):
+        assert text in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_pages_that_print_are_run():
+    runnable = {p.name for p in pages() if python_blocks(p)}
+    assert set(PRINTS) <= runnable - OWN_TEST
+    assert runnable >= OWN_TEST
+
+
+# ------------------------------------------------------------------------------ Quickstart
+
+QUICKSTART_PRINT = '    print(f"step {step} loss {float(loss)}")\n'
+PREEMPT_AT = 23
+
+
+def readme_quickstart() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Quickstart") :]
+    (block, *_) = [b for b in blocks(section) if b.language == "python"]
+    return block.code
+
+
+def test_the_readme_has_no_sample_but_the_quickstart():
+    readme = blocks((REPO / "README.md").read_text())
+    assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]
+
+
+def test_the_readme_links_resolve():
+    """README.md is read on GitHub, not built by mkdocs: its links to files (docs pages and
+    reports) and their headings are checked here."""
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert links
+    for path, anchor in links:
+        if "://" in path:
+            continue
+        assert (REPO / path).exists(), f"README.md links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (REPO / path).read_text(), re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-") for h in headings}
+            assert anchor in slugs, f"README.md links to {path}#{anchor}: no such heading"
+
+
+def test_the_quickstart_resumes_bitwise_after_a_preemption(tmp_path):
+    """README.md's Quickstart, the same text as docs/guide.md's: run straight (with the rest
+    of its page), then preempted by SIGTERM after step 23 in a new process and resumed in
+    another: it saves step 23 and exits, resumes from it, and every loss is bitwise the
+    straight run's."""
+    quickstart = readme_quickstart()
+    guide = python_blocks(DOCS / "guide.md")
+    assert guide[0].code == quickstart, "docs/guide.md's Quickstart differs from README.md's"
+    assert QUICKSTART_PRINT in quickstart
+
+    straight = run_page(DOCS / "guide.md", tmp_path / "straight").stdout.splitlines()
+    steps = [line for line in straight if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [str(s) for s in range(1, 51)]
+
+    # A preemption notice arrives right after step 23's print, as a cluster sends SIGTERM.
+    notice = f"    if step == {PREEMPT_AT}:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+    preempted = "import os\nimport signal\n" + quickstart.replace(
+        QUICKSTART_PRINT, QUICKSTART_PRINT + notice
+    )
+    directory = tmp_path / "preempted"
+    path = tmp_path / "sample_quickstart.py"
+
+    def run(text):
+        path.write_text(PATHS.sub(lambda m: f"{m[1]}{directory}/{m[2]}/", text))
+        return run_python(str(path), env=CPU8).stdout.splitlines()
+
+    first, second = run(preempted), run(quickstart)
+    assert first[-1] == f"preempted: saved step {PREEMPT_AT}", first[-3:]
+    assert second[0] == f"resumed from step {PREEMPT_AT}", second[:3]
+    assert first[:-1] + second[1:] == steps
+
+
+# ------------------------------------------------------------------------------- Equinox
+
+
+def test_the_equinox_recipe_resumes_bitwise_in_a_new_process(tmp_path):
+    """docs/equinox.md: the script runs as printed; run twice (5 steps, then 5 more from the
+    step it saved, each a new process) it gives the losses of one run of 10 steps, bit for
+    bit."""
+    (block,) = python_blocks(DOCS / "equinox.md")
+    assert "STEPS = 5 " in block.code
+
+    def run(directory, steps=5):
+        text = PATHS.sub(lambda m: f"{m[1]}{directory}/{m[2]}/", block.code)
+        path = directory / "sample_equinox.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.replace("STEPS = 5 ", f"STEPS = {steps} "))
+        return run_python(str(path), env=CPU8).stdout.splitlines()
+
+    resumed = run(tmp_path / "a") + run(tmp_path / "a")
+    straight = run(tmp_path / "b", steps=10)
+    assert [line.split()[1] for line in resumed] == [str(s) for s in range(1, 11)]
+    assert resumed == straight
+
+
+# ----------------------------------------------------------------------------- name maps
+
+
+def test_the_name_map_example_places_leaves():
+    """docs/hf.md, "Name maps": the YAML example loads and places leaves as its comments
+    say."""
+    text = (DOCS / "hf.md").read_text()
+    section = text[text.index("## Name maps") :]
+    (example, *_) = [b for b in blocks(section) if b.language == "yaml"]
+    names = jaxckpt.NameMap.load(yaml.safe_load(example.code))
+    assert names.place("model.wte.embedding.value", (10, 4)).names == ("transformer.wte.weight",)
+    attn = names.place("model.h.0.attn.kernel.value", (4, 8))
+    assert attn.names == ("transformer.h.0.attn.weight",) and attn.transpose == (1, 0)
+    mlp = names.place("model.layers.mlp.kernel.value", (2, 4, 8))
+    assert mlp.names == ("model.layers.0.mlp.weight", "model.layers.1.mlp.weight")
+    assert names.place("model.h.0.rngs.dropout.key", (2,)) is None  # dropped
+    assert names.place("opt.mu.w", (4,)) is None  # not included
+
+
+# ------------------------------------------------------------------------- API reference
+
+
+def public_names() -> set[str]:
+    return {
+        name
+        for name, value in vars(jaxckpt).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    }
+
+
+def test_the_api_reference_documents_every_public_name():
+    """docs/api.md renders each name jaxckpt re-exports, and jaxckpt.errors, through the
+    public names only (a private module path would break when modules move)."""
+    reference = (DOCS / "api.md").read_text()
+    rendered = set(re.findall(r"^::: (\S+)", reference, re.M))
+    assert {f"jaxckpt.{name}" for name in public_names()} | {"jaxckpt.errors"} == rendered
+    assert not re.search(r"jaxckpt\._", reference), "the reference names a private module"
+
+
+# ------------------------------------------------------------------------- CLI reference
+
+
+def cli_hook():
+    """docs/hooks/cli_help.py, the module mkdocs loads as a hook."""
+    spec = importlib.util.spec_from_file_location("cli_help", DOCS / "hooks" / "cli_help.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_reference_is_what_the_command_prints():
+    """docs/cli.md's --help sections are generated at build time by docs/hooks/cli_help.py:
+    they must be what `jaxckpt --help` and `jaxckpt ls --help` print, and name every
+    command."""
+    hook = cli_hook()
+    texts = dict(hook.help_texts())
+    assert "<!-- jaxckpt --help -->" in (DOCS / "cli.md").read_text()
+    for command in ("ls", "inspect", "diff", "plan", "verify", "export", "rm"):
+        assert f"jaxckpt {command}" in texts
+    env = {"COLUMNS": str(hook.WIDTH), "JAX_PLATFORMS": "cpu"}
+    for command in (["--help"], ["ls", "--help"]):
+        proc = run_python("-m", "jaxckpt", *command, env=env)
+        name = " ".join(["jaxckpt", *command[:-1]])
+        assert proc.stdout.rstrip() == texts[name].rstrip()
+
+
+# ------------------------------------------------------------------ the architecture page
+
+CHAIN_MODULES = (
+    "jaxckpt._manager",
+    "jaxckpt._tiers",
+    "jaxckpt._reader",
+    "jaxckpt._integrity",
+    "jaxckpt._match",
+    "jaxckpt._orbax",
+    "jaxckpt._local",
+    "jaxckpt._layout",
+    "jaxckpt._transfer",
+    "jaxckpt._iterators",
+)
+
+
+def restore_chain() -> list[str]:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    block = page[page.index("<!-- restore-chain -->") :].split("```text\n", 1)[1]
+    block = block.split("```", 1)[0]
+    return re.findall(r"^\s*([\w.]+)\s{2,}", block, re.M)
+
+
+def test_the_restore_chain_names_what_the_code_has():
+    """docs/architecture.md's restore chain: every name in it is in the modules the chain
+    runs through, as written (a rename fails here, not silently in the docs)."""
+    import importlib
+
+    modules = [importlib.import_module(m) for m in CHAIN_MODULES]
+    chain = restore_chain()
+    assert len(chain) >= 15, chain
+    for name in chain:
+        first, *rest = name.split(".")
+        if first in ("_iterators", "_transfer"):  # named by their module
+            obj = importlib.import_module(f"jaxckpt.{first}")
+        else:
+            owners = [m for m in modules if hasattr(m, first)]
+            assert owners, f"{name}: no module of the chain has {first}"
+            obj = getattr(owners[0], first)
+        for attr in rest:
+            assert hasattr(obj, attr), f"{name}: no {attr} in {obj}"
+            obj = getattr(obj, attr)
+
+
+def test_the_restore_walk_goes_down_and_no_module_imports_in_a_cycle():
+    """The reader and the tiers never import the manager (nothing calls back up), and
+    jaxckpt's modules import one another without a cycle (top-level imports, read by ast)."""
+    import ast
+
+    names = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for p in (REPO / "jaxckpt").rglob("*.py")
+    }
+    packages = {"jaxckpt", "jaxckpt.hf", "jaxckpt.cli"}  # re-exports: not layers
+    graph: dict[str, set[str]] = {}
+    for path in (REPO / "jaxckpt").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        imported = set()
+        for node in ast.parse(path.read_text()).body:  # module level only: lazy imports aside
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("jaxckpt")
+            ):
+                imported.add(node.module)
+                imported.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name.startswith("jaxckpt"))
+        graph[module] = (imported & names) - packages
+    for low in ("jaxckpt._reader", "jaxckpt._tiers"):
+        assert "jaxckpt._manager" not in graph[low], f"{low} imports the manager"
+    assert "jaxckpt._tiers" not in graph["jaxckpt._reader"]
+
+    def cycle_from(start: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph.get(path[-1], ())):
+            if nxt == start:
+                return [*path, nxt]
+            if nxt not in path and (found := cycle_from(start, [*path, nxt])):
+                return found
+        return None
+
+    for module in sorted(graph.keys() - packages):
+        assert cycle_from(module, [module]) is None, cycle_from(module, [module])
