@@ -268,7 +268,9 @@ def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
 
 def test_a_second_writer_on_gcs_is_refused_while_the_first_renews_its_lease(gcs_dir):
     state = {"x": np.arange(100, dtype=np.float32)}
-    first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=2)
+    # A term long enough that no renewal is missed on a loaded machine: nothing here waits
+    # for one to pass (a 2 s term lapsed there, and the second writer took over).
+    first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=60)
     try:
         first.save(1, state=state)
         with pytest.raises(jaxckpt.errors.LockedError, match=f"pid {os.getpid()}"):
