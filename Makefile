@@ -45,13 +45,16 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --quick
 
+# mypy: the whole package, strictly where the public API is defined ([tool.mypy] in
+# pyproject.toml says which modules, and which dependencies ship no types).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) $(OLD_ORBAX) runs site .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLD_ORBAX) runs site .pytest_cache .ruff_cache .mypy_cache

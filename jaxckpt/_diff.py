@@ -42,8 +42,8 @@ class StepDiff:
 
 
 def diff(
-    directory_a: str | os.PathLike,
-    directory_b: str | os.PathLike | None = None,
+    directory_a: str | os.PathLike[str],
+    directory_b: str | os.PathLike[str] | None = None,
     *,
     step_a: int | None = None,
     step_b: int | None = None,
@@ -61,12 +61,13 @@ def diff(
     with contextlib.ExitStack() as stack:
         ckpts = [stack.enter_context(_reader.open(d)) for d, _ in sides]
         trees = [c.describe(s, item) for c, (_, s) in zip(ckpts, sides, strict=True)]
-        steps = [info.step for info, _ in trees]
+        (info_a, _), (info_b, _) = trees
+        steps = (info_a.step, info_b.step)
         a, b = ({s.name: s for s in info.leaves(which)} for info, which in trees)
         both = a.keys() & b.keys()
         changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
         added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
-        found = StepDiff(tuple(steps), item, a, b, added, removed, changed)
+        found = StepDiff(steps, item, a, b, added, removed, changed)
         if not values:
             return found
         same = {n: a[n] for n in sorted(both) if n not in changed}
@@ -89,6 +90,7 @@ def diff(
 
 def _max_abs_diff(x: np.ndarray, y: np.ndarray) -> float:
     x, y = np.asarray(x), np.asarray(y)
+    wide: type[np.generic]
     if x.dtype.kind in "fcV" or x.dtype.name == "bfloat16":
         wide = np.float64
     elif x.dtype.kind == "b":

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import xxhash
 from etils import epath
@@ -146,7 +147,7 @@ def verify_step(
     mine = sorted(listed.items())[share[0] :: share[1]]
     to_check = sum(e["size"] for _, e in mine)
 
-    def check(item: tuple[str, dict]) -> tuple[int, str | None]:
+    def check(item: tuple[str, dict[str, Any]]) -> tuple[int, str | None]:
         rel, expected = item
         if rel not in present:
             return 0, f"{rel}: missing"
@@ -175,7 +176,7 @@ def verify_step(
     return StepReport(step, len(listed), total, tuple(problems))
 
 
-def _manifest(step_dir: epath.Path) -> dict[str, dict]:
+def _manifest(step_dir: epath.Path) -> dict[str, dict[str, Any]]:
     """The manifest's `files`, each entry checked: ValueError naming the first bad field."""
     with open_inside(step_dir, _layout.MANIFEST_PATH) as f:
         text = f.read()

@@ -96,7 +96,8 @@ def device_buffers(array: jax.Array) -> list[jax.Array]:
     in one call: `addressable_shards` builds a Shard (its index, its replica id) for each,
     and `addressable_data(i)` all of them for each i; at thousands of small leaves either
     doubled the save's blocking time."""
-    return array._arrays
+    # (jax.Array is abstract: its one implementation, jax's ArrayImpl, holds `_arrays`)
+    return array._arrays  # type: ignore[attr-defined]
 
 
 def put_batched(hosts: list[np.ndarray], sharding: jax.sharding.Sharding) -> list[jax.Array]:
@@ -139,7 +140,7 @@ def on_writes_done(callback: Callable[[], None]) -> Iterator[None]:
     are written, before its commit: where tests and reliability trials kill, freeze or
     fail a writer, at that moment for sure rather than by timing."""
 
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == WRITES_DONE_EVENT:
             callback()
 

@@ -148,7 +148,8 @@ def _pipeline(data: Any) -> list[str]:
 
 
 def _walk(node: Any) -> list[Any]:
-    out, stack = {}, [node]  # out: the nodes by id, in the order they were reached
+    out: dict[int, Any] = {}  # the nodes by id, in the order they were reached
+    stack = [node]
     while stack and len(out) < MAX_NODES:
         node = stack.pop()
         if node is None or id(node) in out:

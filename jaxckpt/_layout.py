@@ -279,8 +279,8 @@ def orbax_step(path: epath.Path) -> OrbaxStep | str:
         return f"no {ORBAX_COMMIT_FILE}: an Orbax save on object storage that never finished"
     if ORBAX_TREE_FILE in names or (path / ORBAX_LEGACY_FILE).is_file():
         return OrbaxStep(path, {ORBAX_DEFAULT_ITEM: "pytree"}, bare=True)
-    items = {p.name: _item_kind(p) for p in entries if p.name not in names & ORBAX_COMMIT_FILES}
-    items = {name: kind for name, kind in items.items() if kind is not None}
+    kinds = {p.name: _item_kind(p) for p in entries if p.name not in names & ORBAX_COMMIT_FILES}
+    items = {name: kind for name, kind in kinds.items() if kind is not None}
     if "pytree" not in items.values():
         held = ", ".join(sorted(names)[:8]) or "nothing"
         return f"no Orbax pytree item (a folder with {ORBAX_TREE_FILE}) in it; it holds: {held}"
@@ -388,7 +388,8 @@ class _Lister:
         self.unfinished: dict[str, int] = {}
 
     def listing(self, newest: bool) -> Listing:
-        deleting, hidden, steps = [], set(), {}
+        deleting, hidden = [], set()
+        steps: dict[int, list[str]] = {}  # step: the names of its folders
         for name, kind in self.kinds.items():
             if name.endswith((DELETING_SUFFIX, TOMBSTONE_SUFFIX)):
                 deleting.append(name)

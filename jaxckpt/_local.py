@@ -80,7 +80,7 @@ class LocalTier:
         that did not answer and return.
     """
 
-    directory: str | os.PathLike
+    directory: str | os.PathLike[str]
     every_steps: int
     keep_last: int = 2
     replicas: int = 1
@@ -137,18 +137,18 @@ class Part:
 
     @classmethod
     def from_json(cls, doc: Any) -> Part:
-        fields = (doc.get("process"), doc.get("processes")) if isinstance(doc, dict) else ()
-        devices = doc.get("devices") if isinstance(doc, dict) else None
-        ok = (
-            len(fields) == 2
-            and all(type(v) is int and v >= 0 for v in fields)
-            and fields[0] < fields[1] <= _layout.MAX_PROCESSES
+        if not isinstance(doc, dict):
+            raise ValueError(f"{PART_PATH} is not a part's description")
+        process, processes, devices = doc.get("process"), doc.get("processes"), doc.get("devices")
+        if not (
+            type(process) is int
+            and type(processes) is int
+            and 0 <= process < processes <= _layout.MAX_PROCESSES
             and isinstance(devices, list)
             and all(type(d) is int and d >= 0 for d in devices)
-        )
-        if not ok:
+        ):
             raise ValueError(f"{PART_PATH} is not a part's description")
-        return cls(fields[0], fields[1], tuple(devices))
+        return cls(process, processes, tuple(devices))
 
 
 class LocalStore:
@@ -162,7 +162,7 @@ class LocalStore:
         self._restore_inflight_bytes = restore_inflight_bytes
         self.directory = Path(absolute(tier.directory))
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
-        self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
         self._written: int | None = None  # the newest step written, its copies not settled
         self._newest: int | None = None  # the newest step this store wrote or restored
         if not read_only:
@@ -231,7 +231,13 @@ class LocalStore:
             raise WriteFailed(step, e) from e
         self._written = step
 
-    def _write(self, info, pieces, data, data_about) -> None:
+    def _write(
+        self,
+        info: _layout.StepInfo,
+        pieces: _packed.HostPieces,
+        data: str | None,
+        data_about: str | None,
+    ) -> None:
         tmp = self.directory / f"{info.step}{TMP_SUFFIX}"
         try:
             self._write_step(tmp, info, pieces, data, data_about)
@@ -248,7 +254,14 @@ class LocalStore:
                 f"{type(e).__name__}: {e}{fix}"
             ) from e
 
-    def _write_step(self, tmp: Path, info, pieces, data, data_about) -> None:
+    def _write_step(
+        self,
+        tmp: Path,
+        info: _layout.StepInfo,
+        pieces: _packed.HostPieces,
+        data: str | None,
+        data_about: str | None,
+    ) -> None:
         step, part = info.step, Part.here()
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -310,7 +323,7 @@ class LocalStore:
             _peers.drop_copies(self.directory, step)
             return
         self._peers.drop(step, fresh_too=fresh_too)
-        if fresh_too:
+        if fresh_too and self._copies is not None:  # (set with the peers)
             self._copies.forget(step)
 
     def close(self) -> None:
@@ -318,8 +331,9 @@ class LocalStore:
             self.wait()
         finally:
             self._writer.shutdown(wait=True)
-            if self._peers is not None:
+            if self._copies is not None:  # (set with the peers)
                 self._copies.close()
+            if self._peers is not None:
                 self._peers.close()
 
     # ------------------------------------------------------------------------- copies
@@ -458,7 +472,14 @@ class _Copies:
         self._answered: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self._closed = False
-        self._peers: _peers.Peers | None = None
+        self._peers: _peers.Peers | None = None  # from `start` on
+
+    @property
+    def peers(self) -> _peers.Peers:
+        """The peers, once `start`ed: every copy sent and every settle comes after it."""
+        if self._peers is None:
+            raise RuntimeError("the local tier's copies were used before they started")
+        return self._peers
 
     def start(self, peers: _peers.Peers, replicas: int) -> None:
         me, machines = jax.process_index(), [a.machine for a in peers.addresses]
@@ -502,7 +523,8 @@ class _Copies:
         newer one) and every owner whose copies this process keeps put its own here (an
         owner whose listener refuses connections is gone: not waited for); logs a warning
         naming each peer that did not."""
-        deadline, gone = time.monotonic() + self.timeout_s, set()
+        deadline = time.monotonic() + self.timeout_s
+        gone: set[int] = set()
         while True:
             with self._changed:
                 holders = [h for h, s in self._answered.items() if s < step]
@@ -511,7 +533,7 @@ class _Copies:
                 if not (holders or owners) or left <= 0 or self._closed:
                     break
                 self._changed.wait(min(left, 1.0))
-            gone.update(o for o in owners if self._peers.refuses(o))
+            gone.update(o for o in owners if self.peers.refuses(o))
         late = f"within {self.timeout_s:.0f} s (stopped or overloaded?)"
         said = [(o, "is gone (it refuses connections): its copy will not come") for o in gone]
         said += [(h, f"did not answer this process's copy of step {step} {late}") for h in holders]
@@ -521,25 +543,25 @@ class _Copies:
         for peer, what in sorted(said):
             log.warning(
                 "local tier: %s %s; the step stands on each process's own part",
-                self._peers.where(peer),
+                self.peers.where(peer),
                 what,
             )
 
     def _send(self, holder: int) -> None:
         while True:
             with self._changed:
-                while self._waiting[holder] is None and not self._closed:
+                while (step := self._waiting[holder]) is None and not self._closed:
                     self._changed.wait()
-                if self._closed:
+                if step is None or self._closed:  # (nothing waiting: only once closed)
                     return
-                step, self._waiting[holder] = self._waiting[holder], None
+                self._waiting[holder] = None
             try:
-                self._peers.put(holder, self._me, step, str(step))
+                self.peers.put(holder, self._me, step, str(step))
             except FileNotFoundError:  # deleted meanwhile: a newer step replaced it
                 log.info("local tier: step %d was deleted before its copy went", step)
             except Exception as e:  # never the end of this thread: the next copy may go
-                if not self._peers.closed:
-                    where = self._peers.where(holder)
+                if not self.peers.closed:
+                    where = self.peers.where(holder)
                     why = e if isinstance(e, _peers.PeerError) else f"{where}: {e!r}"
                     log.warning(
                         "local tier: no copy of step %d: %s; the step stands on this "

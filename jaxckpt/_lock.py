@@ -262,8 +262,10 @@ class ObjectLease:
         from google.api_core.exceptions import GoogleAPICallError, PreconditionFailed
 
         while not self._stop.wait(self.lease_s / 4):
+            if (generation := self._generation) is None:  # (never: it starts once taken)
+                return  # no unconditional write: it would overwrite another writer's lease
             try:
-                self._write(if_generation_match=self._generation)
+                self._write(if_generation_match=generation)
             except PreconditionFailed:
                 self._confirm()  # records who has it now
                 return

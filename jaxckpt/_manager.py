@@ -18,6 +18,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -231,7 +232,9 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------- save
 
-    def save(self, step: int, *, state: Any, rng: Any = None, data: Any = None, meta: Any = None):
+    def save(
+        self, step: int, *, state: Any, rng: Any = None, data: Any = None, meta: Any = None
+    ) -> None:
         """Starts saving `step` and returns once the arrays are copied off the devices.
 
         The write continues in the background; the step becomes visible to `all_steps()` and
@@ -274,8 +277,8 @@ class CheckpointManager:
                 versions={"jax": jax.__version__},
             )
             arrays = {_layout.STATE: state_arrays, _layout.RNG: rng_arrays}
-            if local:
-                with self._local_errors():
+            if local and self._local is not None:  # (local is only ever due with a local tier)
+                with self._local_errors(self._local):
                     self._local.save(info, arrays, data_text, data_about)
             if persistent:
                 try:
@@ -306,12 +309,12 @@ class CheckpointManager:
         return local, persistent or not local
 
     @contextlib.contextmanager
-    def _local_errors(self) -> Iterator[None]:
+    def _local_errors(self, store: _local.LocalStore) -> Iterator[None]:
         """A local save's failure (raised by the next save, wait or close) as a SaveError."""
         try:
             yield
         except _local.WriteFailed as e:
-            raise SaveError(e.step, e.cause, self._local.steps()) from e.cause
+            raise SaveError(e.step, e.cause, store.steps()) from e.cause
 
     def _check_new(self, step: int) -> None:
         """StepExistsError unless the persistent tier has nothing at `step`."""
@@ -339,7 +342,7 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()
         if self._local is not None:
-            with self._local_errors():
+            with self._local_errors(self._local):
                 self._local.wait()
 
     def close(self) -> None:
@@ -353,7 +356,7 @@ class CheckpointManager:
             self._preemption.close()
             try:
                 if self._local is not None:
-                    with self._local_errors():
+                    with self._local_errors(self._local):
                         self._local.close()
             finally:
                 self._store.close()
@@ -363,7 +366,12 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is None:
             self.close()  # a failed save raises SaveError here
             return
@@ -425,7 +433,7 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()  # a process always sees its own saves
         if self._local is not None:
-            with self._local_errors():
+            with self._local_errors(self._local):
                 self._local.wait()  # this process's own local save in flight
         wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
         restored = self._tiers.restore(step, wanted, fallback)

@@ -167,7 +167,7 @@ def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | 
         key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
         own = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
         kind, shape, dtype = KEY, shape[: len(shape) - len(own)], str(key.dtype)
-    sharding = None
+    sharding: dict[str, Any] | None = None  # as `LeafSpec.sharding` records it
     if isinstance(meta.sharding, ocp.metadata.NamedShardingMetadata):
         spec = [list(e) if isinstance(e, tuple) else e for e in meta.sharding.partition_spec]
         mesh = dict(zip(meta.sharding.axis_names, map(int, meta.sharding.shape), strict=True))
@@ -205,9 +205,10 @@ def read_batch(path: epath.Path, tree: Any, batch: Mapping[str, ReadRequest]) ->
         if jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key):
             value = jax.random.key_data(value)  # Orbax wraps typed keys; jaxckpt reads data
         if name in scalar and name in batch:  # Orbax hands back a Python or NumPy scalar
-            value = np.asarray(value, batch[name].dtype)
-            if batch[name].sharding is not None:
-                value = _transfer.on(batch[name].sharding, value)
+            request = batch[name]
+            value = np.asarray(value, request.dtype)
+            if request.sharding is not None:
+                value = _transfer.on(request.sharding, value)
         if name in batch:
             out[name] = value
     return out

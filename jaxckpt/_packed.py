@@ -386,7 +386,7 @@ class PackedStep:
                     f.seek(start)
                     # writable (a host leaf may be its view), and not zeroed first
                     view = np.empty(stop - start, np.uint8)
-                    got = f.readinto(memoryview(view))
+                    got = f.readinto(view.data)
                     if got != stop - start:
                         raise ValueError(
                             f"{PACKED}/{rel} ends at byte {start + got}, before the "
@@ -497,7 +497,9 @@ def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:
     if request.sharding is None or request.sharding.is_fully_addressable:
         return None
     indices = request.sharding.addressable_devices_indices_map(shape).values()
-    return list({_bounds(i, shape) for i in indices})
+    # (jax types these indices `Index | None`, but takes them from `devices_indices_map`,
+    # whose indices are never None)
+    return list({_bounds(i, shape) for i in indices})  # type: ignore[arg-type]
 
 
 def _overlaps(piece: _Piece, regions: list) -> bool:

@@ -56,7 +56,7 @@ import shutil
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -406,7 +406,7 @@ def copies(root: Path) -> dict[int, list[int]]:
     return found
 
 
-def drop_copies(root: Path, step: int, *, keep: set[tuple[int, int]] = frozenset()) -> None:
+def drop_copies(root: Path, step: int, *, keep: Set[tuple[int, int]] = frozenset()) -> None:
     """Deletes the copies in `root` of steps from `step` on, but those in `keep`."""
     for owner, steps in copies(root).items():
         doomed = [s for s in steps if s >= step and (owner, s) not in keep]

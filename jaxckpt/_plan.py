@@ -12,6 +12,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -20,6 +21,17 @@ from jax.experimental import multihost_utils
 from jaxckpt._tree import ReadRequest
 
 ProcessOf = Callable[[jax.Device], int]
+
+
+class _Device(Protocol):
+    """What a plan reads of a `jax.Device`. Its class is jaxlib's C++ one, which ships no
+    stubs: mypy sees none of its attributes."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def process_index(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +97,10 @@ def plan_reads(
     """
     process_of = None
     if processes is not None:
-        ids = sorted({d.id for r in requests.values() if r.sharding for d in r.sharding.device_set})
+        devices: set[_Device] = {
+            d for r in requests.values() if r.sharding for d in r.sharding.device_set
+        }
+        ids = sorted({d.id for d in devices})
         rank = {device_id: i * processes // len(ids) for i, device_id in enumerate(ids)}
         process_of = lambda device: rank[device.id]  # noqa: E731
     hosts = range(processes or jax.process_count())
@@ -190,8 +205,10 @@ def _sharded_bytes(
     itemsize: int,
     process_of: ProcessOf | None = None,
 ) -> dict[int, tuple[int, int]]:
-    distinct: dict[int, dict[tuple, int]] = {}  # per process: the bytes of each distinct slice
+    # per process: the bytes of each distinct slice, keyed by its (start, stop) per dimension
+    distinct: dict[int, dict[tuple[tuple[int | None, int | None], ...], int]] = {}
     held: dict[int, int] = {}
+    device: _Device
     for device, index in sharding.devices_indices_map(shape).items():
         p = device.process_index if process_of is None else process_of(device)
         nbytes = itemsize * math.prod(

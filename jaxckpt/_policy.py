@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from jaxckpt.errors import ConfigError
 
 
-def _check_positive(policy) -> None:  # every field of a policy: a number or None
+def _check_positive(policy: SavePolicy | RetentionPolicy) -> None:  # each field: a number or None
     for field in dataclasses.fields(policy):
         if (value := getattr(policy, field.name)) is not None and not value > 0:
             owner = type(policy).__name__
@@ -40,7 +40,8 @@ class SavePolicy:
     every_steps: int | None = None
     every_seconds: float | None = None
 
-    __post_init__ = _check_positive
+    def __post_init__(self) -> None:
+        _check_positive(self)
 
     def due(self, *, step: int, seconds_since_last_save: float) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:
@@ -62,7 +63,8 @@ class RetentionPolicy:
     keep_last: int | None = None
     keep_every: int | None = None
 
-    __post_init__ = _check_positive
+    def __post_init__(self) -> None:
+        _check_positive(self)
 
     def steps_to_delete(self, committed: Iterable[int]) -> list[int]:
         steps = sorted(committed)

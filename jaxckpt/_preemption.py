@@ -21,6 +21,8 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,6 +31,10 @@ from jax.experimental import multihost_utils
 from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt")
+
+# What signal.signal takes and returns: a Python handler, SIG_DFL, SIG_IGN, or None (a
+# handler set outside Python).
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,7 +56,7 @@ class PreemptionPolicy:
     signals: tuple[int, ...] = (signal.SIGTERM,)
     check: Callable[[], bool] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not all(isinstance(s, int) for s in self.signals):
             raise ConfigError(
                 f"PreemptionPolicy.signals must be signal numbers, got {self.signals!r}"
@@ -63,7 +69,7 @@ class PreemptionWatcher:
     def __init__(self, policy: PreemptionPolicy):
         self._policy = policy
         self._noticed = threading.Event()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
         self._multi = jax.process_count() > 1
         self.preempted = False
         if not policy.enabled:
@@ -77,7 +83,7 @@ class PreemptionWatcher:
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self._noticed.is_set():
             # Set before logging: Python may run the next signal's handler inside this one
             # (in the logging call), which must then see the notice and escalate.

@@ -21,10 +21,11 @@ A restore goes down, and never back up (the docs' architecture page states it so
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -113,7 +114,7 @@ class Store(Protocol):
 
 
 def open(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     verify: bool = True,
     restore_inflight_bytes: int | None = None,
@@ -148,7 +149,12 @@ class Checkpoint:
     """
 
     def __init__(
-        self, store: Any, *, verify: bool, restore_inflight_bytes: int, owned: bool = False
+        self,
+        store: _orbax.OrbaxStore,
+        *,
+        verify: bool,
+        restore_inflight_bytes: int,
+        owned: bool = False,
     ):
         self._store, self._verify, self._owned = store, verify, owned
         self._restore_inflight_bytes = restore_inflight_bytes
@@ -256,7 +262,7 @@ class Checkpoint:
         Unverified by itself: read inside `verified(step)`."""
         return self._store.read_arrays(info, item, requests)
 
-    def verified(self, step: int) -> Any:
+    def verified(self, step: int) -> contextlib.AbstractContextManager[Callable[[], None]]:
         """A context manager in which a step is read while its files are hashed beside; it
         raises CorruptCheckpointError on leaving if they do not match (or what was read
         failed because of it). It yields `check()`, which waits for the verdict now (an
@@ -282,7 +288,12 @@ class Checkpoint:
     ) -> Restored:
         """A committed step onto a target (`step=None`: the latest committed one), verified
         against its manifest; the arguments are `CheckpointManager.restore`'s."""
-        wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
+        return self.read_wanted(
+            step, Wanted(state, rng, data, data_mismatch_ok, partial, item), fallback
+        )
+
+    def read_wanted(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
+        """`read`, its arguments as one `Wanted`."""
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
                 return self._read_newest(step, wanted, fallback)
@@ -438,7 +449,7 @@ class Checkpoint:
 
 
 def verify(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     step: int | None = None,
     *,
     progress: _integrity.Progress | None = None,
@@ -481,15 +492,25 @@ def check_data(info: _layout.StepInfo, data: Any, mismatch_ok: bool, directory: 
         raise DataStateError(problem)
 
 
-def items(info: _layout.StepInfo, wanted: Wanted) -> list[tuple]:
+def items(
+    info: _layout.StepInfo, wanted: Wanted
+) -> list[tuple[str, Any, jax.sharding.Sharding | None, bool]]:
     """The items a restore reads: (item, target, home sharding, partial) each."""
-    found = [(_layout.STATE, wanted.state, None, wanted.partial)]
+    found: list[tuple[str, Any, jax.sharding.Sharding | None, bool]] = [
+        (_layout.STATE, wanted.state, None, wanted.partial)
+    ]
     if info.rng:
         found.append((_layout.RNG, wanted.rng, replicated_sharding(wanted.state), False))
     return found
 
 
-def plan_item(info, item, target, default_sharding, partial) -> tuple[dict, Callable]:
+def plan_item(
+    info: _layout.StepInfo,
+    item: str,
+    target: Any,
+    default_sharding: jax.sharding.Sharding | None,
+    partial: bool,
+) -> tuple[dict[str, ReadRequest], Callable[[Mapping[str, Any]], Any]]:
     """What to read of an item, and how to rebuild its tree from what was read."""
     specs = info.leaves(item)
     if target is None:

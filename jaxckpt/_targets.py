@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxckpt._match import replicated_sharding
-from jaxckpt._tree import LeafSpec, ReadRequest, leaf_name
+from jaxckpt._tree import KeyPath, LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt")
@@ -121,7 +121,11 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
 
 
 def _place(
-    path: tuple, leaf: Any, mesh: Mesh, spec: PartitionSpec | None, fell_back: list | None = None
+    path: KeyPath,
+    leaf: Any,
+    mesh: Mesh,
+    spec: PartitionSpec | None,
+    fell_back: list[str] | None = None,
 ) -> Any:
     """`leaf` on `mesh` with `spec`; with `fell_back`, with its own spec where that fits
     (else replicated, its name added to `fell_back`)."""

@@ -54,25 +54,15 @@ class Tiers:
         """The step from the tier that serves it (`step=None`: the newest of either)."""
         restored = None
         if self.local is not None and wanted.item is None:
-            restored = self._restore_local(step, wanted)
-        if restored is None:
-            restored = self.persistent.read(
-                step,
-                state=wanted.state,
-                rng=wanted.rng,
-                data=wanted.data,
-                partial=wanted.partial,
-                fallback=fallback,
-                data_mismatch_ok=wanted.mismatch_ok,
-                item=wanted.item,
-            )
-        return restored
+            restored = self._restore_local(self.local, step, wanted)
+        return restored or self.persistent.read_wanted(step, wanted, fallback)
 
-    def _restore_local(self, step: int | None, wanted: Wanted) -> Restored | None:
+    def _restore_local(
+        self, local: _local.LocalStore, step: int | None, wanted: Wanted
+    ) -> Restored | None:
         """The step from the local tier when every process can restore it from its own
         part (agreed: a collective), else None, with the reason logged. Without `step`: the
         newest local step every process holds, unless the persistent tier has a newer one."""
-        local = self.local
         held = _local.holdings(local)
         steps = _local.complete_steps(held)
         persistent = self.persistent.listing(newest=True).latest
@@ -87,12 +77,12 @@ class Tiers:
         for candidate in reversed(steps):
             if step is None and persistent is not None and candidate < persistent:
                 break
-            problem = self._fetch_if_lost(candidate, held[candidate])
-            problem = problem or self._local_problem(candidate, wanted)
+            problem = self._fetch_if_lost(local, candidate, held[candidate])
+            problem = problem or self._local_problem(local, candidate, wanted)
             refused = refusing(problem)
             if not refused:
                 with gc_paused():
-                    return self._restore_local_step(candidate, wanted)
+                    return self._restore_local_step(local, candidate, wanted)
             log.warning(
                 "restore: local step %d in %s is passed over: %s",
                 candidate,
@@ -101,11 +91,13 @@ class Tiers:
             )
         return None
 
-    def _fetch_if_lost(self, step: int, parts: dict[int, list[int]]) -> str | None:
+    def _fetch_if_lost(
+        self, local: _local.LocalStore, step: int, parts: dict[int, list[int]]
+    ) -> str | None:
         """Agreed by all: which processes lack their own part of `step`, whole (checked
         against its manifest); each of those fetches it from the first peer keeping a copy
         (why not, if it could not)."""
-        me, local = jax.process_index(), self.local
+        me = jax.process_index()
         own = local.own_problem(step)
         lost = refusing(own)
         if me not in lost:
@@ -115,10 +107,9 @@ class Tiers:
             return f"{own}, and no other process keeps a copy of it"
         return local.fetch(step, peers[0])
 
-    def _local_problem(self, step: int, wanted: Wanted) -> str | None:
+    def _local_problem(self, local: _local.LocalStore, step: int, wanted: Wanted) -> str | None:
         """Why this process cannot restore `step` from its local part, which is whole and
         its own (`_fetch_if_lost`): None if it can."""
-        local = self.local
         try:
             info = local.info(step)
             for item, target, home, partial in items(info, wanted):
@@ -131,8 +122,7 @@ class Tiers:
             return f"{type(e).__name__}: {_transfer.first_line(e)}"
         return None
 
-    def _restore_local_step(self, step: int, wanted: Wanted) -> Restored:
-        local = self.local
+    def _restore_local_step(self, local: _local.LocalStore, step: int, wanted: Wanted) -> Restored:
         info = local.info(step)
         restored = read_trees(info, wanted, local)
         if wanted.data is not None:  # last: after everything else was read

@@ -17,8 +17,8 @@ log = logging.getLogger("jaxckpt")
 
 
 def export_orbax(
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     step: int | None = None,
     state: Any = None,

@@ -19,8 +19,8 @@ import gc
 import math
 import operator
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeGuard
 
 import jax
 import numpy as np
@@ -36,6 +36,10 @@ from jaxckpt.errors import (
 ARRAY = "array"  # jax.Array, NumPy array or NumPy scalar
 KEY = "key"  # typed PRNG key array, stored as its key data
 PYTHON = "python"  # Python bool/int/float, stored as a 0-d array
+
+# A `jax.tree_util` key path: DictKey, SequenceKey, GetAttrKey, FlattenedIndexKey or a
+# custom node's own key entries.
+KeyPath = tuple[Any, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,7 @@ class LeafSpec:
     sharding: dict[str, Any] | None = None
 
     @classmethod
-    def at(cls, path: tuple, shape: tuple[int, ...], dtype: Any, **fields: Any) -> LeafSpec:
+    def at(cls, path: KeyPath, shape: tuple[int, ...], dtype: Any, **fields: Any) -> LeafSpec:
         """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved); `dtype`
         a NumPy dtype, or a key dtype's name (`key<fry>`)."""
         entries = path_entries(path)
@@ -168,7 +172,7 @@ def _is_key_impl(name: str) -> bool:
     return True
 
 
-def _is_path(path: Any) -> bool:
+def _is_path(path: Any) -> TypeGuard[list[list[Any]]]:
     # Plain loops and exact types (bool is not an int here): thousands of leaves are
     # checked on every restore.
     if type(path) is not list:
@@ -181,7 +185,7 @@ def _is_path(path: Any) -> bool:
     return True
 
 
-def is_counts(values: Any) -> bool:
+def is_counts(values: Any) -> TypeGuard[list[int]]:
     """A list of non-negative ints (a recorded shape)."""
     return type(values) is list and all(type(n) is int and n >= 0 for n in values)
 
@@ -257,7 +261,7 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     """
     arrays: dict[str, Any] = {}
     specs: list[LeafSpec] = []
-    seen: dict[str, tuple] = {}  # the key path of each name
+    seen: dict[str, KeyPath] = {}  # the key path of each name
     for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
         entries = path_entries(path)
         name = _name(entries)
@@ -273,7 +277,9 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
     return arrays, specs
 
 
-def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafSpec]:
+def _encode(
+    leaf: Any, name: str, entries: tuple[tuple[str, Any], ...], item: str
+) -> tuple[Any, LeafSpec]:
     if isinstance(leaf, jax.Array):
         layout = _layout(leaf.sharding)
         # (a NumPy dtype is never a key: the common case skips the slower issubdtype)
@@ -282,17 +288,17 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
         ):
             impl = str(jax.random.key_impl(leaf))
             spec = LeafSpec(name, entries, leaf.shape, str(leaf.dtype), KEY, impl, layout)
-            value = jax.random.key_data(leaf)
+            array = jax.random.key_data(leaf)
         else:
             _check_storable(item, entries, leaf.dtype)
             dtype = _dtype_name(leaf.dtype)
-            value, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
-        if jax.process_count() > 1 and value.is_fully_addressable:
+            array, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
+        if jax.process_count() > 1 and array.is_fully_addressable:
             # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
             # refuses in a multi-process job: it is saved like a NumPy array, from process 0,
             # and restored onto the target's sharding.
-            value = np.asarray(value)
-        return value, spec
+            return np.asarray(array), spec
+        return array, spec
     if is_python_scalar(leaf):
         value = np.asarray(leaf)
         if value.dtype != object:  # e.g. 2**70 fits no integer dtype
@@ -312,11 +318,20 @@ def _encode(leaf: Any, name: str, entries: tuple, item: str) -> tuple[Any, LeafS
 _PLAIN_NODES = (dict, list, tuple, type(None))
 
 
+class _TreeDef(Protocol):
+    """What `node_types` reads of a `jax.tree_util.PyTreeDef`. Its class is jaxlib's C++
+    one, which ships no stubs: mypy sees none of its methods."""
+
+    def node_data(self) -> tuple[type, Any] | None: ...
+
+    def children(self) -> list[_TreeDef]: ...
+
+
 def node_types(tree: Any) -> list[str]:
     """The qualified names of the tree's node types other than dict, list, tuple and None:
     those a restore without a target cannot rebuild (it returns nested dicts and lists)."""
     found: set[type] = set()
-    stack = [tree_util.tree_structure(tree)]
+    stack: list[_TreeDef] = [tree_util.tree_structure(tree)]
     while stack:
         treedef = stack.pop()
         data = treedef.node_data()  # None for a leaf, which has no children
@@ -336,7 +351,7 @@ def _storable(dtype: np.dtype) -> bool:
     return True
 
 
-def _check_storable(item: str, entries: tuple, dtype: np.dtype) -> None:
+def _check_storable(item: str, entries: tuple[tuple[str, Any], ...], dtype: np.dtype) -> None:
     if not _storable(dtype):
         raise UnsupportedValueError(
             f"{item} leaf {display(entries)} has dtype {dtype}, which checkpoints (tensorstore) "
@@ -389,6 +404,7 @@ def check_json(value: Any, path: str = "meta") -> None:
                 ) from None
         if value is None or isinstance(value, str | int | float):  # (bool is an int)
             continue
+        items: Iterable[tuple[Any, Any]]
         if isinstance(value, Mapping):
             for k in value:
                 if not isinstance(k, str):
@@ -434,12 +450,12 @@ def is_python_scalar(leaf: Any) -> bool:
     return isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic)
 
 
-def leaf_name(path: tuple) -> str:
+def leaf_name(path: KeyPath) -> str:
     """The stored name of the leaf at a `jax.tree_util` key path (`params.w`)."""
     return _name(path_entries(path))
 
 
-def path_entries(path: tuple) -> tuple[tuple[str, Any], ...]:
+def path_entries(path: KeyPath) -> tuple[tuple[str, Any], ...]:
     out = []
     for e in path:
         if isinstance(e, tree_util.DictKey):
@@ -456,7 +472,7 @@ def path_entries(path: tuple) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def _name(entries: tuple[tuple[str, Any], ...]) -> str:
+def _name(entries: Sequence[tuple[str, Any]]) -> str:
     return ".".join(str(key) for _, key in entries) or "_"
 
 

@@ -142,6 +142,7 @@ class SaveError(JaxckptError, RuntimeError):
 
 
 def _steps(steps: Sequence[int]) -> str:
-    if len(steps) > 12:
-        steps = [*steps[:5], "...", *steps[-5:]]
-    return ", ".join(map(str, steps)) or "none"
+    shown = [str(s) for s in steps]
+    if len(shown) > 12:
+        shown = [*shown[:5], "...", *shown[-5:]]
+    return ", ".join(shown) or "none"

@@ -10,6 +10,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
+from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -569,6 +570,22 @@ def test_a_bad_scale_is_refused_when_the_map_loads(scale):
     rule = {"match": "^w$", "name": "weight", "scale": scale}
     with pytest.raises(errors.ConfigError, match=r"rule 0: scale must be a finite non-zero"):
         jaxckpt.NameMap.load({"rules": [rule]})
+
+
+def test_a_name_map_file_may_be_any_path_like(small_checkpoint, tmp_path):
+    # names= takes an os.PathLike, as the signatures say: an epath or a caller's own path
+    # type too, not only str and pathlib.Path (mypy found these refused as "not a mapping").
+    class OwnPath:
+        def __fspath__(self):
+            return str(tmp_path / "map.yaml")
+
+    (tmp_path / "map.yaml").write_text("rules:\n  - match: '^a\\.w$'\n    name: weight\n")
+    for i, names in enumerate([epath.Path(tmp_path / "map.yaml"), OwnPath()]):
+        result = jaxckpt.export_safetensors(
+            small_checkpoint, tmp_path / f"out{i}", names=names, include=r"^a\."
+        )
+        assert result.tensors == 1
+        assert list(safetensors.numpy.load_file(result.out_dir / "model.safetensors")) == ["weight"]
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
             say(f"  values   {name}  max |a - b| = {d:.6g}")
         added, removed, changed = len(found.added), len(found.removed), len(found.changed)
         summary = f"{added} added, {removed} removed, {changed} changed in shape/dtype"
-        if values:
+        if found.max_abs_diff is not None:  # (with --values)
             largest = max(differing.values(), default=0.0)
             summary += (
                 f", {len(differing)} of {len(found.max_abs_diff)} differ in value "

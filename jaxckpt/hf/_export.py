@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +29,11 @@ READ_BATCH_BYTES = 128 * 2**20  # export reads about this many bytes per Orbax c
 
 
 def export_safetensors(
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     step: int | None = None,
-    names: NameMap | str | os.PathLike | Mapping | None = None,
+    names: NameMap | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
@@ -120,7 +121,8 @@ class _LeafReader:
         self._batches = read_batches(requests, READ_BATCH_BYTES)
         self._batch_of = {n: i for i, batch in enumerate(self._batches) for n in batch}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-export-read")
-        self._reads: dict[int, concurrent.futures.Future] = {}
+        # each batch read, as NumPy arrays (the requests place nothing on devices)
+        self._reads: dict[int, concurrent.futures.Future[dict[str, np.ndarray]]] = {}
 
     def get(self, name: str) -> np.ndarray:
         i = self._batch_of[name]

@@ -22,11 +22,12 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 
 from jaxckpt._escape import escape
@@ -39,7 +40,11 @@ log = logging.getLogger("jaxckpt")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CAST_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+CAST_DTYPES: dict[str, npt.DTypeLike] = {
+    "float32": np.float32,
+    "bfloat16": "bfloat16",
+    "float16": np.float16,
+}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # The fix an UnsupportedValueError for unsupported leaves names (the CLI rewrites it).
@@ -49,7 +54,7 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
-    out_dir: Path
+    out_dir: Path | epath.Path  # an epath on object storage (gs://)
     step: int | None  # None for a live export (save_safetensors)
     files: tuple[str, ...]
     tensors: int
@@ -70,7 +75,23 @@ class Planned(NamedTuple):
         return st.nbytes(self.dtype, self.shape)
 
 
-def exported(out_dir, step: int | None, files: dict[str, list[Planned]], skipped) -> ExportResult:
+class Leaf(Protocol):
+    """What an export plans a leaf's tensors from: its `LeafSpec` (from a checkpoint: the
+    dtype a name) or, in a live export, the array itself."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> str | np.dtype: ...
+
+
+def exported(
+    out_dir: Path | epath.Path,
+    step: int | None,
+    files: dict[str, list[Planned]],
+    skipped: Sequence[str],
+) -> ExportResult:
     tensors = [t for group in files.values() for t in group]
     total = sum(t.nbytes for t in tensors)
     return ExportResult(out_dir, step, tuple(files), len(tensors), total, tuple(skipped))
@@ -91,8 +112,11 @@ def parse_size(size: int | str) -> int:
 
 
 def check_output(
-    out_dir: str | os.PathLike, overwrite: bool, dtype: str | None, metadata: Mapping | None
-) -> tuple[Path, np.dtype | None, dict[str, str]]:
+    out_dir: str | os.PathLike[str],
+    overwrite: bool,
+    dtype: str | None,
+    metadata: Mapping[str, str] | None,
+) -> tuple[Path | epath.Path, np.dtype | None, dict[str, str]]:
     """The output path (absolute; an epath on object storage), refused when non-empty (unless
     `overwrite`); the dtype to cast to; every file's `__metadata__` (`format: pt` by default)."""
     out_dir = epath.Path(out_dir) if is_remote(out_dir) else Path(absolute(out_dir))
@@ -134,7 +158,7 @@ def select(
     return kept
 
 
-def _regex(pattern: object, kind: str) -> re.Pattern:
+def _regex(pattern: object, kind: str) -> re.Pattern[str]:
     if not isinstance(pattern, str):
         raise ConfigError(f"{kind} patterns are regex strings, got {type(pattern).__name__}")
     try:
@@ -145,7 +169,12 @@ def _regex(pattern: object, kind: str) -> re.Pattern:
         ) from None
 
 
-def cannot_hold(placements, specs, keys, cast) -> dict[str, str]:
+def cannot_hold(
+    placements: Sequence[Placement],
+    specs: Mapping[str, Leaf],
+    keys: Collection[str],
+    cast: np.dtype | None,
+) -> dict[str, str]:
     """The placed leaves safetensors has no dtype for, with why: `keys` (PRNG keys) and
     leaves whose dtype (after `cast`) has no safetensors code (int4, complex128, ...)."""
     why = {}
@@ -165,7 +194,16 @@ def out_dtype(dtype: np.dtype, cast: np.dtype | None) -> np.dtype:
     return cast if cast is not None and is_float(dtype) else dtype
 
 
-def plan(placements, specs, unsupported, cast, limit, skip_unsupported, get, progress=None):
+def plan(
+    placements: Sequence[Placement],
+    specs: Mapping[str, Leaf],
+    unsupported: Mapping[str, str],
+    cast: np.dtype | None,
+    limit: int,
+    skip_unsupported: bool,
+    get: Callable[[str], np.ndarray],
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, list[Planned]], list[str]]:
     """The files of an export (`pack`), every output tensor in leaf order, and the leaves
     left out: `unsupported` (from `cannot_hold`: leaf name -> why), skipped with a log note
     each, or refused unless `skip_unsupported`. `get(leaf name)` gives a leaf on the host
@@ -188,7 +226,9 @@ def plan(placements, specs, unsupported, cast, limit, skip_unsupported, get, pro
         shape = file_shape(placed, spec.shape, spec.dtype)
         for i, name in enumerate(placed.names):
 
-            def produce(i=i, placed=placed, dtype=dtype):
+            def produce(
+                i: int = i, placed: Placement = placed, dtype: np.dtype = dtype
+            ) -> np.ndarray:
                 value = get(placed.leaf)
                 if placed.split is not None:
                     value = np.take(value, i, axis=placed.split)
@@ -224,12 +264,16 @@ def pack(tensors: list[Planned], limit: int) -> dict[str, list[Planned]]:
 
 
 def write(
-    out_dir: Path, files: dict[str, list[Planned]], metadata, overwrite: bool, before_publish
+    out_dir: Path | epath.Path,
+    files: dict[str, list[Planned]],
+    metadata: Mapping[str, str],
+    overwrite: bool,
+    before_publish: Callable[[], None],
 ) -> None:
     """Writes the files into a temporary directory, then publishes it unless
     `before_publish()` raises. Object storage has no rename: there each file appears whole
     when its upload completes, the index last; a failed export removes them."""
-    if is_remote(out_dir):
+    if isinstance(out_dir, epath.Path):  # on object storage (what `check_output` makes)
         tmp = out_dir
         if overwrite:
             out_dir.rmtree(missing_ok=True)
@@ -251,7 +295,12 @@ def write(
         raise
 
 
-def publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite: bool) -> None:
+def publish(
+    tmp: Path | epath.Path,
+    out_dir: Path | epath.Path,
+    files: dict[str, list[Planned]],
+    overwrite: bool,
+) -> None:
     """Writes the index (for a sharded export; last: its presence means complete) and
     renames `tmp` into place (unless it is `out_dir`, written in place)."""
     if len(files) > 1:
@@ -273,7 +322,7 @@ def publish(tmp: Path, out_dir: Path, files: dict[str, list[Planned]], overwrite
     shutil.rmtree(old, ignore_errors=True)
 
 
-def file_shape(placed: Placement, shape, dtype) -> tuple[int, ...]:
+def file_shape(placed: Placement, shape: Sequence[int], dtype: npt.DTypeLike) -> tuple[int, ...]:
     """The shape of each file tensor a leaf of `shape` becomes (split, reshaped, then
     transposed); refuses a placement that does not fit the leaf."""
     shape = list(shape)
@@ -301,7 +350,7 @@ def file_shape(placed: Placement, shape, dtype) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def merged(shape, groups) -> tuple[int, ...]:
+def merged(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """`shape` with each group of axes merged into one."""
     return tuple(math.prod(shape[a] for a in group) for group in groups)
 
@@ -311,7 +360,9 @@ def scaled(value: np.ndarray, scale: float) -> np.ndarray:
     return value.astype(np.float64) * scale
 
 
-def reshape_blocks(groups, index: tuple[slice, ...], shape) -> list[tuple[tuple, tuple]]:
+def reshape_blocks(
+    groups: tuple[tuple[int, ...], ...] | None, index: tuple[slice, ...], shape: Sequence[int]
+) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
     """A block `index` (slices with bounds) of a tensor of `shape`, as (block, image) pairs:
     its parts whose images under the reshape that merges `groups` are blocks too. One part
     unless a slice cuts inside a merged axis (e.g. head_dim sharded under heads): a block's
@@ -334,7 +385,9 @@ def reshape_blocks(groups, index: tuple[slice, ...], shape) -> list[tuple[tuple,
     return images
 
 
-def _cut(block: tuple[slice, ...], shape, group) -> list[tuple[slice, ...]]:
+def _cut(
+    block: tuple[slice, ...], shape: Sequence[int], group: tuple[int, ...]
+) -> list[tuple[slice, ...]]:
     sizes = [block[a].stop - block[a].start for a in group]
     partial = [j for j, a in enumerate(group) if sizes[j] != shape[a]]
     wide = [j for j in range(partial[-1]) if sizes[j] > 1] if partial else []

@@ -18,16 +18,19 @@ import os
 import re
 import stat as stat_module
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import ml_dtypes
 import numpy as np
 
 from jaxckpt._storage import file_kind, is_remote
 from jaxckpt.errors import FormatError, UnsupportedValueError
+
+if TYPE_CHECKING:
+    from etils import epath  # a file on object storage (gs://) is read as an epath
 
 MAX_HEADER = 100 * 1000 * 1000  # the limit safetensors itself enforces
 
@@ -104,7 +107,7 @@ def encode_header(
 
 def write_file(
     path: Path,
-    tensors: list[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
+    tensors: Sequence[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]],
     metadata: Mapping[str, str],
 ) -> None:
     """Writes `tensors` (name, dtype, shape, producer) in order, each produced when written.
@@ -204,8 +207,8 @@ def write_rows(
         return True
     per_call = max(1, _IOV_MAX // len(views))
     for r in range(0, rows, per_call):
-        block = range(r, min(rows, r + per_call))
-        _pwrite_all(fd, [v[i] for i in block for v in views], position + r * row_bytes)
+        in_call = range(r, min(rows, r + per_call))
+        _pwrite_all(fd, [v[i] for i in in_call for v in views], position + r * row_bytes)
     return True
 
 
@@ -224,7 +227,7 @@ def _pwrite_all(fd: int, buffers: list, position: int) -> None:
             buffers[0] = buffers[0][written:]
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def read_header(path: Path | epath.Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and metadata of one file (a local path, or an etils `epath` on object
     storage); FormatError for anything the reference loader (`safetensors`) refuses.
 
@@ -432,7 +435,9 @@ def _check_tree(value: object) -> None:
 
 
 @contextlib.contextmanager
-def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | None]]:
+def open_regular(
+    path: Path | epath.Path,
+) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | None]]:
     """Opens `path` to read, if it is a regular file: yields (file, size, (device, inode)).
 
     Every read of a local file goes through here. The last component must not be a symbolic
@@ -449,7 +454,8 @@ def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | 
         except OSError as e:
             raise FormatError(f"cannot read {path}: {e}") from None
         with f:
-            yield f, stat.st_size if hasattr(stat, "st_size") else stat.length, None
+            # (etils' StatResult has the size as `length`)
+            yield f, stat.st_size if isinstance(stat, os.stat_result) else stat.length, None
         return
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -478,7 +484,7 @@ def open_regular(path: Path) -> Iterator[tuple[BinaryIO, int, tuple[int, int] | 
         yield f, info.st_size, (info.st_dev, info.st_ino)
 
 
-def read_slice(path: Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
+def read_slice(path: Path | epath.Path, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
     """Reads `info[index]`: locally through a memory map (only the pages holding the slice)
     of the file `open_regular` opened, on object storage (`gs://`) as one ranged read of the
     rows the slice spans."""

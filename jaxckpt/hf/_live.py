@@ -21,13 +21,14 @@ from jaxckpt.hf import _format as st
 from jaxckpt.hf._names import NameMap, Placement
 
 LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
+Piece = tuple[tuple[slice, ...], np.ndarray]  # a block of a leaf (concrete bounds), on the host
 
 
 def save_safetensors(
     state: Any,
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     *,
-    names: NameMap | str | os.PathLike | Mapping | None = None,
+    names: NameMap | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
@@ -102,12 +103,13 @@ def save_safetensors(
         if plain:
             # The common case: the shards' rows go to the file with gathered writes, no copy.
             f, offset, tensor = where[placed.names[0]]
-            rows: dict[tuple, list] = {}  # pieces by their rows (all axes but the last)
+            # pieces by their rows: (start, stop) of all axes but the last
+            rows: dict[tuple[tuple[int, int], ...], list[Piece]] = {}
             for index, data in pieces:
                 if data.dtype == tensor.dtype:
                     key = tuple((s.start, s.stop) for s in index[:-1])
                     rows.setdefault(key, []).append((index, data))
-            written = set()
+            written: set[int] = set()  # the ids of the pieces' data written
             for block in rows.values():
                 if st.write_rows(fds[f], offset, tensor.shape, block):
                     written.update(id(data) for _, data in block)
@@ -139,7 +141,7 @@ def save_safetensors(
     return _files.exported(out_dir, None, files, skipped)
 
 
-def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+def _local_pieces(leaf: Any, primary: bool) -> list[Piece]:
     """(index with concrete bounds, host data) of what this process writes of a leaf: one
     replica of each of its shards (on CPU devices a view, elsewhere a device-to-host copy)."""
     if isinstance(leaf, jax.Array):
@@ -157,9 +159,9 @@ def _local_pieces(leaf: Any, primary: bool) -> list[tuple[tuple[slice, ...], np.
     return []
 
 
-def _join_along(pieces: list, axis: int) -> list:
+def _join_along(pieces: list[Piece], axis: int) -> list[Piece]:
     """Concatenates the pieces that touch along `axis` and agree on every other axis."""
-    rows: dict[tuple, list] = {}
+    rows: dict[tuple[tuple[int, int], ...], list[Piece]] = {}
     for index, data in pieces:
         others = tuple((s.start, s.stop) for s in index[:axis] + index[axis + 1 :])
         rows.setdefault(others, []).append((index, data))
@@ -173,14 +175,16 @@ def _join_along(pieces: list, axis: int) -> list:
             else:
                 runs.append([piece])
         for run in runs:
-            index = list(run[0][0])
-            index[axis] = slice(run[0][0][axis].start, run[-1][0][axis].stop)
+            bounds = list(run[0][0])
+            bounds[axis] = slice(run[0][0][axis].start, run[-1][0][axis].stop)
             data = run[0][1] if len(run) == 1 else np.concatenate([d for _, d in run], axis)
-            joined.append((tuple(index), data))
+            joined.append((tuple(bounds), data))
     return joined
 
 
-def _to_tensors(placed: Placement, index: tuple[slice, ...], data: np.ndarray, shape):
+def _to_tensors(
+    placed: Placement, index: tuple[slice, ...], data: np.ndarray, shape: Sequence[int]
+) -> list[tuple[str, tuple[slice, ...], np.ndarray]]:
     """Maps a piece of a leaf of `shape` onto its file tensors: (tensor name, region, data)."""
     pieces = []
     if placed.split is None:

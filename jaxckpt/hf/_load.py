@@ -46,10 +46,10 @@ MAX_INDEX = 100 * 1000 * 1000  # bytes; real indexes are kilobytes to a few mega
 
 
 def load_safetensors(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     target: Any,
     *,
-    names: NameMap | str | os.PathLike | Mapping | None = None,
+    names: NameMap | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     ignore: str | None = None,
 ) -> Any:
     """Loads a safetensors file or an HF directory (indexed or single-file) onto `target`.
@@ -122,7 +122,7 @@ def load_safetensors(
     return tree_util.tree_unflatten(treedef, arrays)
 
 
-def _open(path: str | os.PathLike) -> dict[str, tuple[Path, st.TensorInfo]]:
+def _open(path: str | os.PathLike[str]) -> dict[str, tuple[Path | epath.Path, st.TensorInfo]]:
     """{tensor name: (file, info)} over a file or an HF directory.
 
     From a directory only regular files inside it are read, once symbolic links are
@@ -161,7 +161,7 @@ def _open(path: str | os.PathLike) -> dict[str, tuple[Path, st.TensorInfo]]:
     raise FormatError(f"{real} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
-def _inside(root, name: str, inside: Path | None):
+def _inside(root: Path | epath.Path, name: str, inside: Path | None) -> Path | epath.Path:
     """`root / name` resolved, refused unless it stays inside `inside` (None: remote)."""
     if inside is None:
         return root / name
@@ -175,7 +175,7 @@ def _inside(root, name: str, inside: Path | None):
     return real
 
 
-def _shard_name(index, tensor: str, file: str) -> str:
+def _shard_name(index: Path | epath.Path, tensor: str, file: str) -> str:
     """A weight_map file name, normalized; refused if absolute, with `..` or a URL scheme."""
     parts = file.replace("\\", "/").split("/")
     if not file or "\0" in file or file.startswith(("/", "\\")) or ".." in parts or "://" in file:
@@ -186,7 +186,7 @@ def _shard_name(index, tensor: str, file: str) -> str:
     return posixpath.normpath(file)
 
 
-def _read_index(index) -> dict[str, str]:
+def _read_index(index: Path | epath.Path) -> dict[str, str]:
     """The weight_map of an HF index, its types checked."""
     with st.open_regular(index) as (f, size, _):
         if size > MAX_INDEX:
@@ -208,7 +208,7 @@ def _read_index(index) -> dict[str, str]:
         raise invalid(
             "it must be a JSON object whose weight_map is an object of tensor names to file names"
         )
-    weight_map = data["weight_map"]
+    weight_map: dict[str, str] = data["weight_map"]  # (its values are checked next)
     if not weight_map:
         raise invalid("its weight_map names no tensors")
     if bad := [t for t, f in weight_map.items() if not isinstance(f, str)]:
@@ -225,7 +225,11 @@ def _read_index(index) -> dict[str, str]:
     return weight_map
 
 
-def _check_index(index, by_file: dict[str, set[str]], found: dict[str, dict]) -> None:
+def _check_index(
+    index: Path | epath.Path,
+    by_file: dict[str, set[str]],
+    found: dict[str, dict[str, st.TensorInfo]],
+) -> None:
     """Each tensor in exactly one shard, the one the index names for it."""
     fix = "the export is incomplete or was altered: re-download or re-export it"
     owner: dict[str, str] = {}
@@ -255,7 +259,9 @@ def _check_index(index, by_file: dict[str, set[str]], found: dict[str, dict]) ->
             )
 
 
-def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
+def _load_leaf(
+    placed: Placement, leaf: Any, headers: Mapping[str, tuple[Path | epath.Path, st.TensorInfo]]
+) -> Any:
     """Reads each block a device needs: per file tensor (one per layer of a split axis) the
     blocks of the file the reshape maps it to, transposed back, unmerged, unscaled."""
     dtype = np.dtype(leaf.dtype)
@@ -298,4 +304,5 @@ def _load_leaf(placed: Placement, leaf: Any, headers) -> Any:
 
     if isinstance(leaf, np.ndarray):
         return read(tuple(slice(None) for _ in leaf.shape))
-    return jax.make_array_from_callback(tuple(leaf.shape), leaf.sharding, read)
+    # (jax types the callback's index `Index | None`, but asserts it is not None first)
+    return jax.make_array_from_callback(tuple(leaf.shape), leaf.sharding, read)  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ _OPTIONS = ("transpose", "split", "drop", "reshape", "scale")  # a rule's keys b
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    match: re.Pattern
+    match: re.Pattern[str]
     name: str | None = None
     transpose: tuple[int, ...] | None = None
     split: int | None = None
@@ -73,16 +74,16 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class NameMap:
     rules: tuple[Rule, ...] = ()
-    include: re.Pattern | None = None
+    include: re.Pattern[str] | None = None
 
     @classmethod
-    def load(cls, source: NameMap | str | Path | Mapping[str, Any] | None) -> NameMap:
+    def load(cls, source: NameMap | str | os.PathLike[str] | Mapping[str, Any] | None) -> NameMap:
         """From a NameMap, a YAML file path, an already-parsed mapping, or None (identity)."""
         if source is None:
             return cls()
         if isinstance(source, NameMap):
             return source
-        if isinstance(source, str | Path):
+        if isinstance(source, str | os.PathLike):
             import yaml  # only maps in files need it
 
             path = Path(source)
@@ -132,23 +133,27 @@ class NameMap:
                 continue
             if rule.drop:
                 return None
+            if rule.name is None:  # `load` refuses such a rule; one built by hand is wrong
+                raise ConfigError(f"name-map rule {rule.match.pattern!r} needs a name or drop")
             name = m.expand(rule.name)
-            how = {"transpose": rule.transpose, "reshape": rule.reshape, "scale": rule.scale}
-            if rule.split is None:
-                return Placement(leaf, (name,), split=None, **how)
-            if not 0 <= rule.split < len(shape):
-                raise NameMapError(
-                    f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
-                )
-            names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
-            return Placement(leaf, names, split=rule.split, **how)
+            names: tuple[str, ...] = (name,)
+            if rule.split is not None:
+                if not 0 <= rule.split < len(shape):
+                    raise NameMapError(
+                        f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
+                    )
+                names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
+            return Placement(
+                leaf, names, rule.transpose, rule.split, reshape=rule.reshape, scale=rule.scale
+            )
         if self.rules:
             raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
         return Placement(leaf, (leaf,), None, None)
 
     def place_all(self, shapes: Mapping[str, Sequence[int]]) -> list[Placement]:
         """Places every leaf; two leaves on one tensor name is an error naming both."""
-        placements, owner, unplaced = [], {}, []
+        placements, unplaced = [], []
+        owner: dict[str, str] = {}  # tensor name: the leaf on it
         for leaf, shape in shapes.items():
             try:
                 placed = self.place(leaf, shape)
@@ -206,7 +211,7 @@ def _scale(raw: Any, i: int) -> float | None:
     return float(raw)
 
 
-def _compile(pattern: str, where: str) -> re.Pattern:
+def _compile(pattern: str, where: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as e:
