@@ -572,6 +572,15 @@ def test_a_bad_scale_is_refused_when_the_map_loads(scale):
         jaxckpt.NameMap.load({"rules": [rule]})
 
 
+def test_a_drop_rule_needs_no_name_whatever_else_it_says_and_a_rule_is_a_mapping():
+    """A drop rule with a split (no name: it goes nowhere) was a KeyError: 'name'; a rule
+    that is not a mapping is named as such."""
+    names = jaxckpt.NameMap.load({"rules": [{"match": "^opt\\.", "drop": True, "split": 0}]})
+    assert names.place("opt.mu", (2, 3)) is None
+    with pytest.raises(errors.ConfigError, match=r"rule 0 \('matchx'\) needs 'match'"):
+        jaxckpt.NameMap.load({"rules": ["matchx"]})
+
+
 def test_a_name_map_file_may_be_any_path_like(small_checkpoint, tmp_path):
     # names= takes an os.PathLike, as the signatures say: an epath or a caller's own path
     # type too, not only str and pathlib.Path (mypy found these refused as "not a mapping").

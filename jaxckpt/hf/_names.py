@@ -99,7 +99,11 @@ class NameMap:
             )
         rules = []
         for i, raw in enumerate(source.get("rules") or []):
-            if "match" not in raw or set(raw) - {"match", "name", *_OPTIONS}:
+            if (
+                not isinstance(raw, dict)
+                or "match" not in raw
+                or set(raw) - {"match", "name", *_OPTIONS}
+            ):
                 raise ConfigError(
                     f"name-map rule {i} ({raw!r}) needs 'match' and may have only name, "
                     + ", ".join(_OPTIONS)
@@ -108,7 +112,8 @@ class NameMap:
                 raise ConfigError(
                     f"name-map rule {i} ({raw['match']!r}) needs a 'name' or 'drop: true'"
                 )
-            if raw.get("split") is not None and "{i}" not in raw["name"]:
+            split = raw.get("split") is not None and not raw.get("drop")  # a drop goes nowhere
+            if split and "{i}" not in raw["name"]:
                 raise ConfigError(f"name-map rule {i} splits an axis: its name needs '{{i}}'")
             rules.append(
                 Rule(
