@@ -34,13 +34,17 @@ test: $(STAMP) $(OLD_STAMP) lint docs
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# Side-by-side benchmarks (BENCHMARKS.md, ~35 min on 2 cores); bench-quick: the 64 MiB state
-# only (~1 min). On a machine with an accelerator: bash benchmarks/gpu.sh
+# Side-by-side benchmarks (~45 min on 2 cores): each writes its page under
+# benchmarks/results/, then compare.py writes BENCHMARKS.md, one current page, its own
+# tables first and every other page after. bench-quick: the 64 MiB state only (~1 min).
+# On a machine with an accelerator: bash benchmarks/gpu.sh
 bench: $(STAMP)
-	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/restore_memory.py
 	$(BIN)/python benchmarks/orbax_written.py
 	$(BIN)/python benchmarks/leaf_sweep.py
+	$(BIN)/python benchmarks/many_steps.py
+	$(BIN)/python benchmarks/local_tier.py
+	$(BIN)/python benchmarks/compare.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --quick

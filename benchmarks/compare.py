@@ -39,7 +39,7 @@ from benchmarks.tables import table
 from reliability import launch
 
 ROOT = Path(__file__).resolve().parent.parent
-HISTORY = "<!-- history: everything below is kept when compare.py rewrites this file -->"
+RESULTS = ROOT / "benchmarks" / "results"
 
 STATES = {
     # name: description, leaf shapes, and which extra measurements run
@@ -261,6 +261,23 @@ def report(
     return lines
 
 
+def other_results() -> list[str]:
+    """The other benchmarks' pages (benchmarks/results/*.md, each written by its own
+    script, which `make bench` runs), one section each: this page is the current one, its
+    history in git and CHANGELOG.md."""
+    lines = ["", "## The other benchmarks", ""]
+    for page in sorted(RESULTS.glob("*.md")):
+        heading, _, body = page.read_text().partition("\n")
+        lines += [
+            f"### {heading.lstrip('# ')}",
+            "",
+            f"From [`benchmarks/results/{page.name}`](benchmarks/results/{page.name}).",
+            body.rstrip(),
+            "",
+        ]
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 64 MiB state, 3 runs (~1 min)")
@@ -306,10 +323,7 @@ def main() -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     lines = report(results, states, runs, command, machine)
 
-    history = ""
-    if args.out.exists() and HISTORY in args.out.read_text():
-        history = args.out.read_text().split(HISTORY, 1)[1]
-    text = "\n".join(lines) + "\n" + HISTORY + history
+    text = "\n".join(lines + other_results())
     args.out.write_text(text)
     print(text)
     return 0
