@@ -75,7 +75,10 @@ def test_one_host_save_restores_on_two_hosts(tmp_path):
 def _kill_during_step_2(tmp_path, kill):
     """Runs job.dies_during_step_2 with process 1 killed at the moment `kill` names, on 2
     processes: the survivor's report, then what a fresh process finds in the directory."""
-    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "heartbeat_s": 10}
+    # The survivor's barrier times out after 5 s (timeout_s); JAX aborts it once the dead
+    # peer's heartbeat lapses. 30 s between the two leaves it the time to word and print its
+    # report on a loaded machine (with 10 s, a loaded run aborted it first).
+    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "heartbeat_s": 30}
     # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
     survivor, dead = run_job(
         job.dies_during_step_2, processes=2, devices=4, args=args | {"kill": kill}, check=False
