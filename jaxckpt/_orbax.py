@@ -207,8 +207,7 @@ class OrbaxStore:
             # committed step, as any other was there when a writer started after it), and
             # deletions that never finished.
             self._leftovers = [
-                self._deleter.submit(_remove, self.directory / n, "an unfinished save's leftovers")
-                for n in listing.unfinished
+                self._deleter.submit(self._discard, n) for n in listing.unfinished
             ]
             for name in listing.deleting:
                 if name.endswith(_layout.TOMBSTONE_SUFFIX):
@@ -455,6 +454,22 @@ class OrbaxStore:
     def close(self) -> None:
         self._mngr.close()
         self._deleter.shutdown(wait=True)
+
+    def _discard(self, name: str) -> None:
+        """An unfinished save's leftovers. On local disk the folder is renamed aside first:
+        a writer that lost its lock (its lock file deleted) may still be finishing that
+        save, and its rename to `<step>` then either wins (a whole step) or fails, never
+        committing a folder half deleted under it."""
+        doomed = self.directory / name
+        if not is_remote(self.directory):
+            try:
+                doomed = doomed.rename(self.directory / f"{name}{_layout.DELETING_SUFFIX}")
+            except FileNotFoundError:
+                return  # committed (or removed) by whoever was still writing it
+            except OSError as e:
+                log.warning("could not set aside an unfinished save, %s: %s", doomed, e)
+                return
+        _remove(doomed, "an unfinished save's leftovers")
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from conftest import Iterator
+from conftest import Iterator, wait_until
 from jaxckpt import _integrity, errors
 from jaxckpt.cli import main as cli_main
 from reliability import hostile
@@ -561,6 +561,38 @@ def test_the_lock_deleted_under_a_writer_in_a_loop():
     assert hostile.lock_deletion_trial(seed=0) is None
 
 
+def test_a_save_committed_under_its_removal_is_whole_or_absent(ckpt):
+    """A writer whose lock file was deleted may still commit the save a new writer is
+    removing as unfinished (CI: `lock_deletion_trial` found step 11 an empty folder, its
+    files deleted after the rename). The removal sets the folder aside first: the late
+    commit then either wins, whole, or fails."""
+    tmp = ckpt / "3.orbax-checkpoint-tmp"
+    shutil.copytree(ckpt / "2", tmp)
+    (tmp / "pad").mkdir()
+    for i in range(10_000):  # a removal long enough to commit in the middle of
+        (tmp / "pad" / str(i)).write_bytes(b"")
+    held = sorted(p.relative_to(tmp) for p in tmp.rglob("*"))
+
+    def count() -> int:
+        try:
+            return len(os.listdir(tmp / "pad"))
+        except FileNotFoundError:
+            return -1
+
+    m = jaxckpt.CheckpointManager(ckpt)
+    try:
+        wait_until(lambda: count() < len(held) - 100, timeout_s=60)  # the removal has begun
+        try:
+            tmp.rename(ckpt / "3")  # the lock-less writer's commit
+        except FileNotFoundError:
+            pass
+    finally:
+        m.close()
+    if (ckpt / "3").exists():
+        assert sorted(p.relative_to(ckpt / "3") for p in (ckpt / "3").rglob("*")) == held
+    assert not list(ckpt.glob("3.*")), "the set-aside leftovers were removed"
+
+
 def test_the_lock_planted_as_a_symlink():
     assert hostile.lock_symlink_trial() is None
 
@@ -599,8 +631,9 @@ def test_a_leftover_that_cannot_be_removed_does_not_stop_saves(ckpt, mesh, caplo
             m.save(5, state=state_at(mesh, 5))
         assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 4, 5]
         assert "could not remove an unfinished save's leftovers" in caplog.text
-    finally:
-        subprocess.run(["chattr", "-i", str(leftover / "stuck")], check=True, timeout=30)
+    finally:  # (set aside as 3.orbax-checkpoint-tmp.jaxckpt-deleting before the removal)
+        for stuck in ckpt.glob("3.orbax-checkpoint-tmp*/stuck"):
+            subprocess.run(["chattr", "-i", str(stuck)], check=True, timeout=30)
 
 
 def test_reading_a_directory_that_is_not_there(tmp_path):
