@@ -240,7 +240,8 @@ class LocalStore:
     ) -> None:
         tmp = self.directory / f"{info.step}{TMP_SUFFIX}"
         try:
-            self._write_step(tmp, info, pieces, data, data_about)
+            self.write_part(tmp, info, pieces, data, data_about)
+            self._commit(tmp, info.step)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             fix = (
@@ -254,7 +255,7 @@ class LocalStore:
                 f"{type(e).__name__}: {e}{fix}"
             ) from e
 
-    def _write_step(
+    def write_part(
         self,
         tmp: Path,
         info: _layout.StepInfo,
@@ -262,7 +263,9 @@ class LocalStore:
         data: str | None,
         data_about: str | None,
     ) -> None:
-        step, part = info.step, Part.here()
+        """Writes this process's part of a step into the folder `tmp`, synced (`_write`
+        renames it into place)."""
+        part = Part.here()
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / _layout.PACKED).mkdir(parents=True)
@@ -285,6 +288,8 @@ class LocalStore:
         _integrity.write_manifest(tmp)
         _fsync_dir(tmp / _layout.META_DIR)
         _fsync_dir(tmp)
+
+    def _commit(self, tmp: Path, step: int) -> None:
         # A step this number or newer is of a timeline that did not go on (the run went
         # back to an older step since): never to be restored again, nor its copies: those
         # kept from before this process started, and, when this store itself goes back,

@@ -85,6 +85,9 @@ class CheckpointManager:
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
         stands in for a lock (see the docs, "Object storage"): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer.
+      store, local_store: the classes that do each tier's storage work (jaxckpt's own by
+        default). A subclass is the seam to inject storage faults through (a failing save,
+        a frozen deletion: `reliability/faults.py`) or to count what is read and written.
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
@@ -106,6 +109,8 @@ class CheckpointManager:
         read_only: bool = False,
         local: LocalTier | None = None,
         writer_lease_s: float = 60.0,
+        store: type[_orbax.OrbaxStore] = _orbax.OrbaxStore,
+        local_store: type[_local.LocalStore] = _local.LocalStore,
     ):
         if not isinstance(policy, SavePolicy):
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
@@ -125,6 +130,12 @@ class CheckpointManager:
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
         if local is not None and not isinstance(local, LocalTier):
             raise ConfigError(f"local must be a jaxckpt.LocalTier, got {local!r}")
+        for name, given, base in (
+            ("store", store, _orbax.OrbaxStore),
+            ("local_store", local_store, _local.LocalStore),
+        ):
+            if not (isinstance(given, type) and issubclass(given, base)):
+                raise ConfigError(f"{name} must be a subclass of {base.__name__}, got {given!r}")
         directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
@@ -140,7 +151,7 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.acquire()
         try:
-            self._store = _orbax.OrbaxStore(
+            self._store = store(
                 directory,
                 timeout_s=timeout_s,
                 restore_inflight_bytes=restore_inflight_bytes,
@@ -151,7 +162,7 @@ class CheckpointManager:
             )
             try:  # its listener for copies, made by every process at once (a collective)
                 self._local = (
-                    _local.LocalStore(
+                    local_store(
                         local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
                     )
                     if local

@@ -177,7 +177,7 @@ class OrbaxStore:
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
                 timeout_secs=timeout_s,
-                post_finalization_callback=None if read_only else self._before_commit,
+                post_finalization_callback=None if read_only else self._finalized,
                 # The step's folders are made in save() itself. Made in the background,
                 # each of Orbax's (non-daemon) writer threads waits for a "created" signal
                 # for Orbax's own 300 s, not timeout_s, and a failed creation never sends
@@ -206,16 +206,14 @@ class OrbaxStore:
             # never committed (a killed process; on object storage, those above the newest
             # committed step, as any other was there when a writer started after it), and
             # deletions that never finished.
-            self._leftovers = [
-                self._deleter.submit(self._discard, n) for n in listing.unfinished
-            ]
+            self._leftovers = [self._deleter.submit(self._discard, n) for n in listing.unfinished]
             for name in listing.deleting:
                 if name.endswith(_layout.TOMBSTONE_SUFFIX):
                     step = _layout.step_of(name.removesuffix(_layout.TOMBSTONE_SUFFIX))
                     if step is not None:
                         self._deleter.submit(self._remove_tombstoned, step)
                 else:
-                    self._deleter.submit(_remove, self.directory / name)
+                    self._deleter.submit(self.remove, self.directory / name)
 
     def scan(self, *, newest: bool = False) -> _layout.Listing:
         """The directory as it is now (another process may have written or deleted);
@@ -308,7 +306,7 @@ class OrbaxStore:
         2. Orbax makes `<step>.orbax-checkpoint-tmp` (on object storage, `<step>` itself)
            now, and every process writes its shards into it in the background.
         3. Once every item is written on every process (Orbax's post-finalization
-           callback, `_before_commit`), process 0 writes the manifest of every file
+           callback, `before_commit`), process 0 writes the manifest of every file
            (`_integrity.write_manifest`), then asks the lock again, of the server itself
            for a lease: a writer that lost it raises there and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
@@ -340,14 +338,19 @@ class OrbaxStore:
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
-    def _before_commit(self) -> None:
+    def _finalized(self) -> None:
         # Orbax calls this in its background thread, on every process, after all items
         # are finalized and before it renames the step's temporary folder into place.
         if self._saving is None or jax.process_index() != 0:
             return
         tmp = self.directory / f"{self._saving}{_layout.TMP_SUFFIX}"
-        _integrity.write_manifest(tmp if tmp.exists() else self.step_dir(self._saving))
-        if self._lock is not None:  # last: a writer that lost its lock never commits
+        self.before_commit(tmp if tmp.exists() else self.step_dir(self._saving))
+
+    def before_commit(self, folder: epath.Path) -> None:
+        """Step 3 of the commit protocol (`save`), on process 0: the manifest of the step's
+        `folder`, then the lock asked again; a writer that lost it never commits."""
+        _integrity.write_manifest(folder)
+        if self._lock is not None:
             self._lock.check(confirm=True)
 
     def step_dir(self, step: int) -> epath.Path:
@@ -446,7 +449,7 @@ class OrbaxStore:
             else:
                 doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
                 self.step_dir(step).rename(doomed)
-                self._deleter.submit(_remove, doomed)
+                self._deleter.submit(self.remove, doomed)
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes(f"jaxckpt:deleted:{step}")
         self._mngr.reload()
@@ -469,12 +472,25 @@ class OrbaxStore:
             except OSError as e:
                 log.warning("could not set aside an unfinished save, %s: %s", doomed, e)
                 return
-        _remove(doomed, "an unfinished save's leftovers")
+        self.remove(doomed, "an unfinished save's leftovers")
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""
-        if _remove(self.step_dir(step)):
-            _remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
+        if self.remove(self.step_dir(step)):
+            self.remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
+
+    def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
+        """Deletes a folder or object, in the deleter's thread; a failure is logged (the
+        next writer retries it)."""
+        try:
+            if path.is_dir():
+                path.rmtree()
+            else:
+                path.unlink(missing_ok=True)
+            return True
+        except Exception as e:
+            log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
+            return False
 
 
 def _check_read(
@@ -517,16 +533,3 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
             ),
         ),
     )
-
-
-def _remove(path: epath.Path, what: str = "a deleted step's files") -> bool:
-    """Deletes a folder or object; a failure is logged (the next writer retries it)."""
-    try:
-        if path.is_dir():
-            path.rmtree()
-        else:
-            path.unlink(missing_ok=True)
-        return True
-    except Exception as e:
-        log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
-        return False

@@ -1,14 +1,48 @@
 """Faults injected into real checkpoints, shared by the tests and the stress script.
 
 Every corruption takes a checkpoint directory, damages step 2 in one way, and returns a
-regex that `verify` and `restore` must report for it.
+regex that `verify` and `restore` must report for it. `store` and `local_store` make the
+storage of a tier fail or freeze where a test says, through the manager's own seam (its
+`store=` and `local_store=` classes), never by patching jaxckpt's privates.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def store(**faults: Callable[..., Any]) -> type:
+    """A `CheckpointManager(store=...)` class: jaxckpt's persistent store, but each method
+    named (`save`, `wait`, `read_arrays`, `before_commit`, `remove`, ...) runs
+    `fault(real, *args)` instead, `real` being the store's own method (to call, or not)."""
+    from jaxckpt._orbax import OrbaxStore
+
+    return _faulty(OrbaxStore, faults)
+
+
+def local_store(**faults: Callable[..., Any]) -> type:
+    """A `CheckpointManager(local_store=...)` class: `store`'s, for the local tier
+    (`save`, `wait`, `write_part`, ...)."""
+    from jaxckpt._local import LocalStore
+
+    return _faulty(LocalStore, faults)
+
+
+def _faulty(base: type, faults: dict[str, Callable[..., Any]]) -> type:
+    unknown = sorted(n for n in faults if not callable(getattr(base, n, None)))
+    if unknown:
+        raise TypeError(f"{base.__name__} has no method {', '.join(unknown)} to fault")
+
+    def method(name: str, fault: Callable[..., Any]) -> Callable[..., Any]:
+        real = getattr(base, name)
+        return lambda self, *args, **kw: fault(functools.partial(real, self), *args, **kw)
+
+    return type(f"Faulty{base.__name__}", (base,), {n: method(n, f) for n, f in faults.items()})
 
 
 def largest_data_file(step_dir: Path) -> Path:

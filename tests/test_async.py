@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import run_python
-from reliability import launch
+from reliability import faults, launch
 
 
 def test_save_returns_before_the_step_is_committed_and_after_the_device_copy(tmp_path):
@@ -124,24 +124,20 @@ def test_restore_pauses_the_garbage_collector_and_restores_it(tmp_path):
 
 
 def test_a_save_failing_after_its_background_commit_started_says_whether_it_committed(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
     """Orbax's save can fail in the foreground after it started the step's commit in the
     background: on several hosts, its last barrier meets a dead process. The error is worded
     once that commit is over, from the directory, and the manager keeps working."""
     import jaxckpt
-    from jaxckpt import _orbax
 
-    save = _orbax.OrbaxStore.save
-
-    def fail_at_step_2(self, info, *args):  # Orbax's save returned: the commit runs
-        save(self, info, *args)
+    def fail_at_step_2(save, info, *args):  # Orbax's save returned: the commit runs
+        save(info, *args)
         if info.step == 2:
             raise OSError("the barrier after the write started failed")
 
-    monkeypatch.setattr(_orbax.OrbaxStore, "save", fail_at_step_2)
     x = np.arange(1024, dtype=np.float32)
-    with jaxckpt.CheckpointManager(tmp_path) as m:
+    with jaxckpt.CheckpointManager(tmp_path, store=faults.store(save=fail_at_step_2)) as m:
         m.save(1, state={"x": x + 1})
         with pytest.raises(jaxckpt.errors.SaveError) as failed:
             m.save(2, state={"x": x + 2})

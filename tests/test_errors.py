@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from conftest import Iterator
 from jaxckpt import errors
+from reliability import faults
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -531,6 +532,20 @@ def test_bad_policy_values(make, pattern):
 def test_bad_writer_lease(ckpt_dir, lease):
     with pytest.raises(errors.ConfigError, match=r"writer_lease_s must be a positive number"):
         jaxckpt.CheckpointManager(ckpt_dir, writer_lease_s=lease)
+    assert not ckpt_dir.exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"store": object}, "store must be a subclass of OrbaxStore, got <class 'object'>"),
+        ({"store": "orbax"}, "store must be a subclass of OrbaxStore, got 'orbax'"),
+        ({"local_store": faults.store()}, "local_store must be a subclass of LocalStore"),
+    ],
+)
+def test_a_store_that_is_not_one(ckpt_dir, kwargs, pattern):
+    with pytest.raises(errors.ConfigError, match=re.escape(pattern)):
+        jaxckpt.CheckpointManager(ckpt_dir, **kwargs)
     assert not ckpt_dir.exists()  # refused before anything was made
 
 

@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _orbax, cli
+from jaxckpt import cli
 from jaxckpt._lock import ObjectLease
-from reliability import launch
+from reliability import faults, launch
 from reliability.stress import Tally, kill_trial
 
 
@@ -66,21 +66,23 @@ def test_retention_on_gcs_deletes_old_steps_in_the_background(gcs_dir):
         np.testing.assert_array_equal(m.restore().state["x"], state["x"])
 
 
-def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir, monkeypatch):
+def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir):
     """Retention hides a step with a tombstone object and deletes it in the background: with
     the deleting thread stalled (an object store slow to delete), saves still commit."""
     stalled, release = threading.Event(), threading.Event()
-    remove = _orbax._remove
 
-    def slow_remove(path, *args):
+    def slow_remove(remove, path, *args):
         stalled.set()
         assert release.wait(60), "the test never released the deleter"
         return remove(path, *args)
 
-    monkeypatch.setattr(_orbax, "_remove", slow_remove)
     state = {"x": np.arange(1000, dtype=np.float32)}
     root = epath.Path(gcs_dir)
-    m = jaxckpt.CheckpointManager(gcs_dir, retention=jaxckpt.RetentionPolicy(keep_last=1))
+    m = jaxckpt.CheckpointManager(
+        gcs_dir,
+        retention=jaxckpt.RetentionPolicy(keep_last=1),
+        store=faults.store(remove=slow_remove),
+    )
     try:
         m.save(1, state=state)
         m.save(2, state=state)  # commits step 1, then step 2: retention deletes step 1
@@ -119,7 +121,7 @@ def test_a_delete_left_unfinished_on_gcs_is_finished_by_the_next_writer(gcs_dir)
     assert sorted(p.name for p in root.iterdir()) == ["2"]
 
 
-def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog, monkeypatch):
+def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog):
     proc = launch.start("-m", "children.gcs_freezer", gcs_dir, stderr=subprocess.DEVNULL)
     try:
         status = launch.wait_stopped(proc, timeout=180)
@@ -137,17 +139,15 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog,
         (1, "committed"),
         (2, "uncommitted"),
     ]
+
     # jaxckpt removes the leftover in the background from start-up: made slow here, so the
     # save of the same step number below must wait for it.
-    remove = _orbax._remove
-
-    def slow_remove(path, *args):
+    def slow_remove(remove, path, *args):
         time.sleep(1)
         return remove(path, *args)
 
-    monkeypatch.setattr(_orbax, "_remove", slow_remove)
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(gcs_dir, store=faults.store(remove=slow_remove)) as m:
         assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (
             caplog.text
         )

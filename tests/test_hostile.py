@@ -3,6 +3,7 @@ lock, a step deleted under a reader. Whatever is planted, jaxckpt raises a `Jaxc
 CLI one line and a non-zero exit), never reads or writes outside the directory, and loses no
 committed step."""
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import jaxckpt
 from conftest import Iterator, wait_until
 from jaxckpt import _integrity, errors
 from jaxckpt.cli import main as cli_main
-from reliability import hostile
+from reliability import faults, hostile
 
 
 def state_at(mesh, step):
@@ -254,16 +255,14 @@ def test_a_writer_whose_lock_was_deleted_commits_nothing_more(ckpt, mesh):
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3, 100]
 
 
-def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh, monkeypatch):
+def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh):
     """The lock goes between the save's start and its commit: the commit is refused."""
-    a = jaxckpt.CheckpointManager(ckpt)
-    write_manifest = _integrity.write_manifest
 
-    def lock_gone_first(step_dir):
+    def lock_gone_first(before_commit, step_dir):
         (ckpt / ".jaxckpt-writer.lock").unlink()
-        write_manifest(step_dir)
+        before_commit(step_dir)
 
-    monkeypatch.setattr(_integrity, "write_manifest", lock_gone_first)
+    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=lock_gone_first))
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.SaveError, match="lost the writer lock") as caught:
         a.wait()
@@ -272,19 +271,17 @@ def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh, monkeypatch):
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
 
 
-def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, mesh, monkeypatch):
+def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, mesh):
     """A second writer took the directory over (the lock file was deleted) and removed the
     first one's unfinished save as a leftover: that save's failure names the lost lock, the
     cause, not the missing file it tripped on."""
-    a = jaxckpt.CheckpointManager(ckpt)
-    write_manifest = _integrity.write_manifest
 
-    def taken_over(step_dir):
+    def taken_over(before_commit, step_dir):
         (ckpt / ".jaxckpt-writer.lock").unlink()
         shutil.rmtree(step_dir)  # as the next writer's start-up removes leftovers
-        write_manifest(step_dir)
+        before_commit(step_dir)
 
-    monkeypatch.setattr(_integrity, "write_manifest", taken_over)
+    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=taken_over))
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.SaveError, match="LockedError: this job lost the writer lock"):
         a.wait()
@@ -292,17 +289,19 @@ def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, me
     assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
 
 
-def test_a_writer_that_lost_its_lock_after_a_commit_deletes_nothing(ckpt, mesh, monkeypatch):
+def test_a_writer_that_lost_its_lock_after_a_commit_deletes_nothing(ckpt, mesh):
     """The lock goes after a step committed and before retention deletes the older ones: the
     directory may be another writer's now, so nothing is deleted (LockedError)."""
-    a = jaxckpt.CheckpointManager(ckpt, retention=jaxckpt.RetentionPolicy(keep_last=1))
-    committed = a._store.wait
 
-    def then_lock_gone():
+    def then_lock_gone(committed):
         committed()
         (ckpt / ".jaxckpt-writer.lock").unlink(missing_ok=True)
 
-    monkeypatch.setattr(a._store, "wait", then_lock_gone)
+    a = jaxckpt.CheckpointManager(
+        ckpt,
+        retention=jaxckpt.RetentionPolicy(keep_last=1),
+        store=faults.store(wait=then_lock_gone),
+    )
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.LockedError, match="lost the writer lock"):
         a.wait()
@@ -518,14 +517,12 @@ def test_plan_bounds_the_mesh(pristine, mesh_arg):
 # ---------------------------------------------------------------- a reader racing retention
 
 
-def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh, monkeypatch):
+def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh):
     """Another job's retention deletes the step being read: restore(step=None) reads the new
     latest step; an explicit step is a StepNotFoundError naming it, never a raw OS error."""
-    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
-    read_arrays = type(reader._store).read_arrays
     deleted = threading.Event()
 
-    def writer_deletes_first(store, info, item, requests):
+    def writer_deletes_first(read_arrays, info, item, requests):
         if not deleted.is_set():
             deleted.set()
             with jaxckpt.CheckpointManager(
@@ -533,9 +530,11 @@ def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh, mo
             ) as w:
                 step = info.step + 1  # commits, then deletes the rest
                 w.save(step, state=state_at(mesh, step))
-        return read_arrays(store, info, item, requests)
+        return read_arrays(info, item, requests)
 
-    monkeypatch.setattr(type(reader._store), "read_arrays", writer_deletes_first)
+    reader = jaxckpt.CheckpointManager(
+        ckpt, read_only=True, store=faults.store(read_arrays=writer_deletes_first)
+    )
     restored = reader.restore(state=target(mesh))
     assert restored.step == 3
     assert np.asarray(restored.state["b"]).tolist() == [3.0] * 4
@@ -582,10 +581,8 @@ def test_a_save_committed_under_its_removal_is_whole_or_absent(ckpt):
     m = jaxckpt.CheckpointManager(ckpt)
     try:
         wait_until(lambda: count() < len(held) - 100, timeout_s=60)  # the removal has begun
-        try:
+        with contextlib.suppress(FileNotFoundError):
             tmp.rename(ckpt / "3")  # the lock-less writer's commit
-        except FileNotFoundError:
-            pass
     finally:
         m.close()
     if (ckpt / "3").exists():
@@ -597,21 +594,24 @@ def test_the_lock_planted_as_a_symlink():
     assert hostile.lock_symlink_trial() is None
 
 
-def test_ctrl_c_inside_wait_keeps_the_save_in_flight(ckpt, mesh, monkeypatch):
+def test_ctrl_c_inside_wait_keeps_the_save_in_flight(ckpt, mesh):
     """A KeyboardInterrupt in wait() leaves the save in flight: close() still waits for it,
     applies retention, and would report its failure."""
-    wait = type(jaxckpt.CheckpointManager(ckpt, read_only=True)._store).wait
-    interrupted = []
+    armed = threading.Event()
 
-    def ctrl_c_once(store):
-        if not interrupted:
-            interrupted.append(True)
+    def ctrl_c_once(wait):
+        if armed.is_set():
+            armed.clear()
             raise KeyboardInterrupt
-        wait(store)
+        wait()
 
-    m = jaxckpt.CheckpointManager(ckpt, retention=jaxckpt.RetentionPolicy(keep_last=2))
+    m = jaxckpt.CheckpointManager(
+        ckpt,
+        retention=jaxckpt.RetentionPolicy(keep_last=2),
+        store=faults.store(wait=ctrl_c_once),
+    )
     m.save(3, state=state_at(mesh, 3))
-    monkeypatch.setattr(type(m._store), "wait", ctrl_c_once)
+    armed.set()
     with pytest.raises(KeyboardInterrupt):
         m.wait()
     m.close()

@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from conftest import Iterator
-from jaxckpt import _integrity, _internals, _packed
+from jaxckpt import _integrity, _internals
 from jaxckpt.errors import ConfigError, SaveError
+from reliability import faults
 
 
 def _state(mesh, step):
@@ -53,10 +54,13 @@ def _assert_bitwise(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape and g.tobytes() == w.tobytes(), k
 
 
-def _manager(tmp_path, **local):
+def _manager(tmp_path, stores=None, **local):
     tier = jaxckpt.LocalTier(tmp_path / "local", **{"every_steps": 2, **local})
     return jaxckpt.CheckpointManager(
-        tmp_path / "persistent", policy=jaxckpt.SavePolicy(every_steps=10), local=tier
+        tmp_path / "persistent",
+        policy=jaxckpt.SavePolicy(every_steps=10),
+        local=tier,
+        **(stores or {}),
     )
 
 
@@ -197,19 +201,23 @@ def test_a_local_save_does_not_wait_for_a_persistent_save_in_flight(mesh, tmp_pa
         assert m.all_steps() == [10] and m.latest_step() == 12
 
 
-def test_a_failed_local_save_is_a_save_error_and_the_next_one_works(mesh, tmp_path, monkeypatch):
-    real = _packed.write
+def test_a_failed_local_save_is_a_save_error_and_the_next_one_works(mesh, tmp_path):
+    disk_full = threading.Event()
 
-    def full(folder, pieces):
+    def full(write_part, tmp, *args):
+        if not disk_full.is_set():
+            return write_part(tmp, *args)
+        (tmp / "packed").mkdir(parents=True)
+        (tmp / "packed" / "process_0.bin").write_bytes(b"half")  # as far as it got
         raise OSError(28, "No space left on device")
 
-    with _manager(tmp_path) as m:
-        monkeypatch.setattr(_packed, "write", full)
+    with _manager(tmp_path, {"local_store": faults.local_store(write_part=full)}) as m:
+        disk_full.set()
         m.save(2, state=_state(mesh, 2))
         with pytest.raises(SaveError, match=r"local step 2 .*No space left on device"):
             m.wait()
         assert not any(p.name.startswith("2") for p in (tmp_path / "local").iterdir())
-        monkeypatch.setattr(_packed, "write", real)
+        disk_full.clear()
         m.save(4, state=_state(mesh, 4))
         m.wait()
         assert m.latest_step() == 4
