@@ -3,7 +3,6 @@
 import json
 import logging
 import re
-import signal
 
 import numpy as np
 import pytest
@@ -79,29 +78,3 @@ def test_without_fallback_the_latest_corrupt_step_is_an_error(two_steps):
         pytest.raises(errors.CorruptCheckpointError, match="fallback=True"),
     ):
         m.restore(state={"w": np.zeros_like(BIG), "b": np.zeros(3)})
-
-
-def test_one_writer_per_directory(two_steps):
-    with jaxckpt.CheckpointManager(two_steps) as writer:
-        with pytest.raises(errors.LockedError, match=r"is being written by host .* pid \d+"):
-            jaxckpt.CheckpointManager(two_steps)
-        with jaxckpt.CheckpointManager(two_steps, read_only=True) as reader:  # readers: no lock
-            assert reader.latest_step() == 2
-            with pytest.raises(errors.ConfigError, match="read_only"):
-                reader.save(3, state={"w": BIG})
-        writer.save(3, state={"w": BIG, "b": np.ones(3)})
-    with jaxckpt.CheckpointManager(two_steps) as again:  # released on close
-        assert again.all_steps() == [1, 2, 3]
-
-
-def test_a_dead_writers_lock_is_taken_over(two_steps, caplog):
-    code = f"import jaxckpt, os, signal; m = jaxckpt.CheckpointManager({str(two_steps)!r}); os.kill(os.getpid(), signal.SIGKILL)"
-    proc = run_python("-c", code, timeout=120, check=False)
-    assert proc.returncode == -signal.SIGKILL
-    assert '"pid"' in (two_steps / ".jaxckpt-writer.lock").read_text()  # the dead holder's note
-    with (
-        caplog.at_level(logging.WARNING, logger="jaxckpt"),
-        jaxckpt.CheckpointManager(two_steps) as m,
-    ):
-        assert m.all_steps() == [1, 2]
-    assert "taking over the writer lock of host" in caplog.text

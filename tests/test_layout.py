@@ -1,5 +1,5 @@
-"""How a checkpoint directory is listed, as users' directories are: many steps, stray and
-hostile step folders, nothing readable. jaxckpt lists a directory itself (`_layout.Listing`),
+"""How a checkpoint directory is listed (its layout: `docs/layout.md`), as users'
+directories are: many steps, stray and hostile step folders, nothing readable. jaxckpt lists a directory itself (`_layout.Listing`),
 never through Orbax's listing, which read every step's metadata."""
 
 import logging
@@ -20,6 +20,16 @@ def save(directory, *steps):
     with jaxckpt.CheckpointManager(directory) as m:
         for step in steps:
             m.save(step, state={"w": jnp.full(4, float(step))})
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """Steps 1 and 2, each with its meta."""
+    directory = tmp_path / "ckpt"
+    with jaxckpt.CheckpointManager(directory) as m:
+        for step in (1, 2):
+            m.save(step, state={"w": jnp.full(4, float(step))}, meta={"step": step})
+    return directory
 
 
 def stray(directory, name, metadata):
@@ -126,3 +136,31 @@ def test_a_flax_folder_below_the_newest_step_is_never_saved_beside(tmp_path):
         with pytest.raises(jaxckpt.errors.StepExistsError, match="plain Orbax wrote"):
             m.save(5, state={"w": jnp.ones(4)})
         assert m.all_steps() == [5, 9]
+
+
+@pytest.mark.parametrize("name", ["²", "①", "٣", "00002", "+2", " 2"])
+def test_folders_that_only_look_like_steps_are_ignored(ckpt, name):
+    if name == "00002":
+        shutil.copytree(ckpt / "2", ckpt / name)
+    else:
+        (ckpt / name).mkdir()
+    reader = jaxckpt.CheckpointManager(ckpt, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    assert reader.restore(fallback=True).step == 2
+    assert reader.meta() == {"step": 2}
+    assert [r.step for r in jaxckpt.verify(ckpt)] == [1, 2]
+    assert all(r.ok for r in jaxckpt.verify(ckpt))
+    result = CliRunner().invoke(main, ["ls", str(ckpt)])
+    assert result.exit_code == 0 and "damaged" not in result.output, result.output
+
+
+def test_step_like_folders_nobody_can_read_are_named_with_why(tmp_path):
+    directory = tmp_path / "run"
+    (directory / "ckpt_3").mkdir(parents=True)
+    (directory / "ckpt_3" / "notes.txt").write_text("x")
+    (directory / "ckpt_4").mkdir()
+    with pytest.raises(NoCheckpointError, match=r"ckpt_3: no Orbax pytree item.*notes\.txt"):
+        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+    result = CliRunner().invoke(main, ["ls", str(directory)])
+    assert "ckpt_3: not a step jaxckpt can read" in result.output
+    assert "ckpt_4: not a step jaxckpt can read" in result.output

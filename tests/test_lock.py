@@ -1,0 +1,301 @@
+"""The one writer of a directory: its lock file on local disk, its lease on object storage.
+A second writer is refused, a dead one's lock taken over, and a writer that lost its lock
+(the file deleted or replaced, the lease taken over while it was frozen) commits and
+deletes nothing more; a planted lock file is refused, never written through."""
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from etils import epath
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from conftest import run_python, wait_until
+from jaxckpt import errors
+from jaxckpt._lock import ObjectLease
+from reliability import faults, hostile, launch
+
+BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
+
+
+def state_at(mesh, step):
+    return {
+        "params": {
+            "w": jax.device_put(jnp.full((8, 8), step, jnp.float32), NamedSharding(mesh, P("data")))
+        },
+        "b": np.full(4, step, np.float32),
+    }
+
+
+@pytest.fixture
+def ckpt(tmp_path, mesh):
+    """Steps 1 and 2, no lock file."""
+    directory = tmp_path / "ckpt"
+    with jaxckpt.CheckpointManager(directory) as m:
+        for step in (1, 2):
+            m.save(step, state=state_at(mesh, step))
+    (directory / ".jaxckpt-writer.lock").unlink()  # (released: an empty file)
+    return directory
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file beside the checkpoint that nothing may write."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "precious").write_text("keep me")
+    return folder
+
+
+# --------------------------------------------------------------------- the lock file (local)
+
+
+def test_one_writer_per_directory(ckpt):
+    with jaxckpt.CheckpointManager(ckpt) as writer:
+        with pytest.raises(errors.LockedError, match=r"is being written by host .* pid \d+"):
+            jaxckpt.CheckpointManager(ckpt)
+        with jaxckpt.CheckpointManager(ckpt, read_only=True) as reader:  # readers: no lock
+            assert reader.latest_step() == 2
+            with pytest.raises(errors.ConfigError, match="read_only"):
+                reader.save(3, state={"w": BIG})
+        writer.save(3, state={"w": BIG, "b": np.ones(3)})
+    with jaxckpt.CheckpointManager(ckpt) as again:  # released on close
+        assert again.all_steps() == [1, 2, 3]
+
+
+def test_a_dead_writers_lock_is_taken_over(ckpt, caplog):
+    code = f"import jaxckpt, os, signal; m = jaxckpt.CheckpointManager({str(ckpt)!r}); os.kill(os.getpid(), signal.SIGKILL)"
+    proc = run_python("-c", code, timeout=120, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    assert '"pid"' in (ckpt / ".jaxckpt-writer.lock").read_text()  # the dead holder's note
+    with (
+        caplog.at_level(logging.WARNING, logger="jaxckpt"),
+        jaxckpt.CheckpointManager(ckpt) as m,
+    ):
+        assert m.all_steps() == [1, 2]
+    assert "taking over the writer lock of host" in caplog.text
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(ckpt, outside):
+    (ckpt / ".jaxckpt-writer.lock").symlink_to(outside / "precious")
+    with pytest.raises(errors.LockedError, match=r"not a lock file .* never writes through a link"):
+        jaxckpt.CheckpointManager(ckpt)
+    assert (outside / "precious").read_text() == "keep me"
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
+def test_a_hard_linked_lock_file_is_refused(ckpt, outside):
+    os.link(outside / "precious", ckpt / ".jaxckpt-writer.lock")
+    with pytest.raises(errors.LockedError, match="2 hard links"):
+        jaxckpt.CheckpointManager(ckpt)
+    assert (outside / "precious").read_text() == "keep me"
+
+
+def test_a_writer_whose_lock_was_deleted_commits_nothing_more(ckpt, mesh):
+    a = jaxckpt.CheckpointManager(ckpt)
+    a.save(3, state=state_at(mesh, 3))
+    a.wait()
+    (ckpt / ".jaxckpt-writer.lock").unlink()
+    with jaxckpt.CheckpointManager(ckpt) as b:  # the path is free: a second writer gets in
+        b.save(100, state=state_at(mesh, 100))
+    with pytest.raises(errors.LockedError, match=r"lost the writer lock .* was (removed|replaced)"):
+        a.save(4, state=state_at(mesh, 4))
+    with pytest.raises(errors.LockedError):  # for good
+        a.save(5, state=state_at(mesh, 5))
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3, 100]
+
+
+def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh):
+    """The lock goes between the save's start and its commit: the commit is refused."""
+
+    def lock_gone_first(before_commit, step_dir):
+        (ckpt / ".jaxckpt-writer.lock").unlink()
+        before_commit(step_dir)
+
+    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=lock_gone_first))
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.SaveError, match="lost the writer lock") as caught:
+        a.wait()
+    assert not caught.value.committed
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
+def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, mesh):
+    """A second writer took the directory over (the lock file was deleted) and removed the
+    first one's unfinished save as a leftover: that save's failure names the lost lock, the
+    cause, not the missing file it tripped on."""
+
+    def taken_over(before_commit, step_dir):
+        (ckpt / ".jaxckpt-writer.lock").unlink()
+        shutil.rmtree(step_dir)  # as the next writer's start-up removes leftovers
+        before_commit(step_dir)
+
+    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=taken_over))
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.SaveError, match="LockedError: this job lost the writer lock"):
+        a.wait()
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2]
+
+
+def test_a_writer_that_lost_its_lock_after_a_commit_deletes_nothing(ckpt, mesh):
+    """The lock goes after a step committed and before retention deletes the older ones: the
+    directory may be another writer's now, so nothing is deleted (LockedError)."""
+
+    def then_lock_gone(committed):
+        committed()
+        (ckpt / ".jaxckpt-writer.lock").unlink(missing_ok=True)
+
+    a = jaxckpt.CheckpointManager(
+        ckpt,
+        retention=jaxckpt.RetentionPolicy(keep_last=1),
+        store=faults.store(wait=then_lock_gone),
+    )
+    a.save(3, state=state_at(mesh, 3))
+    with pytest.raises(errors.LockedError, match="lost the writer lock"):
+        a.wait()
+    a.close()
+    assert jaxckpt.CheckpointManager(ckpt, read_only=True).all_steps() == [1, 2, 3]
+
+
+def test_a_whole_directory_removed_under_a_writer(ckpt, mesh):
+    a = jaxckpt.CheckpointManager(ckpt)
+    shutil.rmtree(ckpt)
+    with pytest.raises(errors.LockedError, match="was removed"):
+        a.save(3, state=state_at(mesh, 3))
+    a.close()
+
+
+# ------------------------------------------------- against a writer in another process
+
+
+def test_the_lock_deleted_under_a_writer_in_a_loop():
+    # python -m reliability.stress runs more seeds of it
+    assert hostile.lock_deletion_trial(seed=0) is None
+
+
+def test_the_lock_planted_as_a_symlink():
+    assert hostile.lock_symlink_trial() is None
+
+
+def test_a_save_committed_under_its_removal_is_whole_or_absent(ckpt):
+    """A writer whose lock file was deleted may still commit the save a new writer is
+    removing as unfinished (CI: `lock_deletion_trial` found step 11 an empty folder, its
+    files deleted after the rename). The removal sets the folder aside first: the late
+    commit then either wins, whole, or fails."""
+    tmp = ckpt / "3.orbax-checkpoint-tmp"
+    shutil.copytree(ckpt / "2", tmp)
+    (tmp / "pad").mkdir()
+    for i in range(10_000):  # a removal long enough to commit in the middle of
+        (tmp / "pad" / str(i)).write_bytes(b"")
+    held = sorted(p.relative_to(tmp) for p in tmp.rglob("*"))
+
+    def count() -> int:
+        try:
+            return len(os.listdir(tmp / "pad"))
+        except FileNotFoundError:
+            return -1
+
+    m = jaxckpt.CheckpointManager(ckpt)
+    try:
+        wait_until(lambda: count() < len(held) - 100, timeout_s=60)  # the removal has begun
+        with contextlib.suppress(FileNotFoundError):
+            tmp.rename(ckpt / "3")  # the lock-less writer's commit
+    finally:
+        m.close()
+    if (ckpt / "3").exists():
+        assert sorted(p.relative_to(ckpt / "3") for p in (ckpt / "3").rglob("*")) == held
+    assert not list(ckpt.glob("3.*")), "the set-aside leftovers were removed"
+
+
+# -------------------------------------------------------------- the lease (object storage)
+
+
+def test_a_second_writer_on_gcs_is_refused_while_the_first_renews_its_lease(gcs_dir):
+    state = {"x": np.arange(100, dtype=np.float32)}
+    # A term long enough that no renewal is missed on a loaded machine: nothing here waits
+    # for one to pass (a 2 s term lapsed there, and the second writer took over).
+    first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=60)
+    try:
+        first.save(1, state=state)
+        with pytest.raises(jaxckpt.errors.LockedError, match=f"pid {os.getpid()}"):
+            jaxckpt.CheckpointManager(gcs_dir)
+        with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+            assert reader.all_steps() == [1]  # readers take no lease
+        first.save(2, state=state)  # the refused writer changed nothing
+        first.wait()
+    finally:
+        first.close()
+    assert not (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()  # released on close
+    with jaxckpt.CheckpointManager(gcs_dir) as m:  # at once: no waiting for a term
+        m.save(3, state=state)
+        m.wait()
+        assert m.all_steps() == [1, 2, 3]
+
+
+def test_writers_racing_for_a_gcs_lease_get_exactly_one(gcs_dir):
+    """The server's precondition (create only if absent) decides: one of 8 simultaneous
+    writers wins; the others see it renew and are refused."""
+    start = threading.Barrier(8)
+    outcomes = [None] * 8
+    leases = [ObjectLease(gcs_dir, 1.0) for _ in range(8)]
+
+    def contend(i):
+        start.wait(timeout=30)
+        try:
+            leases[i].acquire()
+            outcomes[i] = "won"
+        except jaxckpt.errors.LockedError:
+            outcomes[i] = "refused"
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert sorted(outcomes) == ["refused"] * 7 + ["won"], outcomes
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
+    holder = launch.start(
+        "-m",
+        "children.gcs_holder",
+        gcs_dir,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert launch.readline(holder, timeout=180) == "holding\n"
+        holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
+        with jaxckpt.CheckpointManager(gcs_dir) as m:  # waits for the term, then takes over
+            m.save(3, state={"x": np.zeros(100, np.float32)})
+            m.wait()
+            holder.send_signal(signal.SIGCONT)
+            out, _ = holder.communicate("go\n", timeout=120)
+            assert out.startswith("refused: this job lost the writer lease"), out
+            assert f"pid {os.getpid()}" in out  # names the writer that has it now
+            assert m.all_steps() == [1, 3]  # the frozen writer's step 2 never appeared
+            # Its close left the new holder's lease alone.
+            assert (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()
+            m.save(4, state={"x": np.zeros(100, np.float32)})
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
