@@ -286,8 +286,8 @@ class LocalStore:
         for rel, text in files.items():
             _write_synced(tmp / rel, text.encode())
         _integrity.write_manifest(tmp)
-        _fsync_dir(tmp / _layout.META_DIR)
-        _fsync_dir(tmp)
+        _peers.fsync_folder(tmp / _layout.META_DIR)
+        _peers.fsync_folder(tmp)
 
     def _commit(self, tmp: Path, step: int) -> None:
         # A step this number or newer is of a timeline that did not go on (the run went
@@ -301,7 +301,7 @@ class LocalStore:
         self._newest = step
         self._drop_copies(step, fresh_too=went_back)
         tmp.rename(self.directory / str(step))
-        _fsync_dir(self.directory)
+        _peers.fsync_folder(self.directory)
         for old in self.steps()[: -self.tier.keep_last]:
             self.delete(old)
         if self._copies is not None:
@@ -378,7 +378,7 @@ class LocalStore:
             if folder.exists():
                 self.delete(step)
             tmp.rename(folder)
-            _fsync_dir(self.directory)
+            _peers.fsync_folder(self.directory)
         except (_peers.PeerError, OSError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             return f"fetching step {step} from process {peer}'s copy failed: {e}"
@@ -584,14 +584,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- agreement between processes (collectives: every process calls these in turn) ---------

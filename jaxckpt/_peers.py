@@ -293,7 +293,7 @@ class Peers:
                     if os.path.lexists(at / str(step)):
                         discard(at / str(step))
                     os.rename(at / tmp, at / str(step))
-                    _fsync_folder(at)
+                    fsync_folder(at)
                     self._fresh.add((owner, step))
                     older = [s for s in _steps_in(at) if s <= step]
                     for old in older[: -self._keep]:
@@ -444,7 +444,8 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _fsync_folder(path: Path) -> None:
+def fsync_folder(path: Path) -> None:
+    """Makes a folder's entries (a rename into it, a new file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -562,6 +563,6 @@ def _receive_files(conn: socket.socket, dest: Path, files: list) -> None:
                     left -= len(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_folder(at)
+            fsync_folder(at)
         if h.hexdigest() != digest:
             raise PeerError(f"{rel} arrived changed (checksum mismatch)")
