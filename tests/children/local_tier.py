@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from children.job import Job
 from jaxckpt import _local
+from reliability import faults
 
 
 class Iterator:
@@ -104,10 +105,12 @@ def manager(job: Job) -> jaxckpt.CheckpointManager:
     options = {"replicas": job.args.get("replicas", 1)}
     if "copy_timeout_s" in job.args:
         options["copy_timeout_s"] = job.args["copy_timeout_s"]
+    kill_in = job.args.get("kill_in_local_write")
     return jaxckpt.CheckpointManager(
         job.args["persistent"],
         policy=jaxckpt.SavePolicy(every_steps=10),
         local=jaxckpt.LocalTier(local, every_steps=2, keep_last=2, **options),
+        local_store=_local.LocalStore if kill_in is None else killed_in_local_write(job, kill_in),
     )
 
 
@@ -125,24 +128,21 @@ def wait_for(path: Path, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
-def arm_kill_in_local_write(job: Job, step: int) -> None:
+def killed_in_local_write(job: Job, step: int) -> type:
     """Process 1 dies inside its local write of `step`: its files written, not renamed; once
     process 0 renamed its own part of it into place (the test's machine: both directories
     are on it), since process 0 aborts as soon as JAX's coordinator sees process 1 gone."""
-    if job.process_id != 1:
-        return
-    real = _local._fsync_dir
     other = Path(job.args["local"].format(process=0)) / str(step)
 
-    def dying(path):
-        if path.name == f"{step}{_local.TMP_SUFFIX}":
+    def dying(write_part, tmp, info, *args):
+        write_part(tmp, info, *args)
+        if job.process_id == 1 and info.step == step:
             deadline = time.monotonic() + 60
             while not other.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
-        real(path)
 
-    _local._fsync_dir = dying
+    return faults.local_store(write_part=dying)
 
 
 def train(job: Job) -> dict:
@@ -150,8 +150,6 @@ def train(job: Job) -> dict:
     data = Iterator(job.process_id)
     report = {}
     kill_in = job.args.get("kill_in_local_write")
-    if kill_in is not None:
-        arm_kill_in_local_write(job, kill_in)
     with manager(job) as mngr:
         if job.args["start"] == "latest":
             restored = mngr.restore(

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from children.job import Job
-from jaxckpt import _integrity, _internals
+from jaxckpt import _internals
+from reliability import faults
 
 W = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
 B = np.arange(16, dtype=np.float32)
@@ -146,22 +147,21 @@ def dies_during_step_2(job: Job) -> dict:
             wait_until_process_0_saved()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    write_manifest = _integrity.write_manifest
-
-    def kill_then_commit(step_dir):
+    def kill_then_commit(before_commit, step_dir):  # on process 0, its step 2 written
         if step_dir.name.startswith("2"):
             wait_until_process_0_saved()
             os.kill(int((scratch / "pid1").read_text()), signal.SIGKILL)
-        write_manifest(step_dir)
+        before_commit(step_dir)
 
     mesh = mesh_of((4, 2))
-    m = jaxckpt.CheckpointManager(job.args["dir"], timeout_s=5)
+    once_written = job.args["kill"] == "once_written"
+    store = faults.store() if once_written else faults.store(before_commit=kill_then_commit)
+    m = jaxckpt.CheckpointManager(job.args["dir"], timeout_s=5, store=store)
     m.save(1, state=make_state(mesh))
     m.wait()
-    if job.args["kill"] == "once_written":
+    if once_written:
         armed = _internals.on_writes_done(kill_once_written)
     else:
-        _integrity.write_manifest = kill_then_commit
         armed = contextlib.nullcontext()
     with armed:
         m.save(2, state=make_state(mesh))
