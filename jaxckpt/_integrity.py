@@ -22,7 +22,7 @@ import xxhash
 from etils import epath
 
 from jaxckpt import _layout
-from jaxckpt._storage import is_remote, open_inside
+from jaxckpt._storage import files_below, is_remote, open_inside
 from jaxckpt.errors import CorruptCheckpointError
 
 HASH = "xxh3_128"
@@ -52,13 +52,7 @@ def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
     commit files excluded), and what else is there that jaxckpt never reads: symbolic links
     (which could lead out of the directory) and special files (a FIFO blocks a reader)."""
     if is_remote(root):  # object storage: no links, no special files
-        files, stack = [], [root]
-        while stack:
-            for path in sorted(stack.pop().iterdir()):
-                if path.is_dir():
-                    stack.append(path)
-                else:
-                    files.append(str(path.relative_to(root)))
+        files = sorted(str(p.relative_to(root)) for p in files_below(root))
         return [f for f in files if _hashed(f)], []
     files, odd, stack = [], [], [""]
     while stack:

@@ -313,8 +313,6 @@ class Listing:
     deleting: the folders and tombstones of deletions under way (jaxckpt's own).
     prefixed: the steps of folders named otherwise than jaxckpt names them (`checkpoint_12`),
       looked into or not.
-    newest: listed only down to the newest committed step (`Listing.of(newest=True)`):
-      `committed` holds it alone, the other fields what was met above it.
     """
 
     directory: epath.Path
@@ -326,7 +324,6 @@ class Listing:
     damaged: Mapping[int, str] = dataclasses.field(default_factory=dict)
     deleting: tuple[str, ...] = ()
     prefixed: frozenset[int] = frozenset()
-    newest: bool = False
 
     @property
     def own(self) -> tuple[int, ...]:
@@ -358,7 +355,7 @@ class Listing:
         try:
             found = entries(directory)
         except (FileNotFoundError, NotADirectoryError):  # removed under a reader
-            return cls(directory, newest=newest)
+            return cls(directory)
         return _Lister(directory, dict(found), known or {}).listing(newest)
 
     def resolve(self, step: int | None) -> int:
@@ -419,7 +416,6 @@ class _Lister:
             damaged=self.damaged,
             deleting=tuple(sorted(deleting)),
             prefixed=frozenset(s for s, names in steps.items() if names != [str(s)]),
-            newest=newest,
         )
 
     def _has_info(self, name: str) -> bool:
@@ -432,17 +428,11 @@ class _Lister:
         committed, an Orbax step, or unreadable."""
         path = self.directory / name
         if name == str(step):
-            if self.kinds[name] == "link":
-                self.folders[step] = path
-                self.damaged[step] = (
-                    "the step folder is a symbolic link, which jaxckpt never follows"
-                )
-                return
             if self.remote and not (path / ORBAX_COMMIT_FILE).exists():
                 self.unfinished[name] = step  # a save's objects sit at its step's path
                 return
             self.folders[step] = path
-            if self._has_info(name):
+            if self.kinds[name] != "link" and self._has_info(name):  # (it follows links)
                 self.own.add(step)
                 return
             if why := damage(path):

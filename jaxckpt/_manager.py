@@ -145,12 +145,13 @@ class CheckpointManager:
                 f"{directory} is itself one plain Orbax checkpoint, not a directory of steps: "
                 "open it with read_only=True, and save into another directory"
             )
-        if not read_only and jax.process_index() == 0:
-            # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
-            self._lock = writer_lock(directory, writer_lease_s)
-            if self._lock is not None:
-                self._lock.acquire()
-        try:
+        with contextlib.ExitStack() as undo:  # what was made, undone if a later part fails
+            if not read_only and jax.process_index() == 0:
+                # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
+                self._lock = writer_lock(directory, writer_lease_s)
+                if self._lock is not None:
+                    self._lock.acquire()
+                    undo.callback(self._lock.release)
             self._store = store(
                 directory,
                 timeout_s=timeout_s,
@@ -160,21 +161,16 @@ class CheckpointManager:
                 lock=self._lock,
                 pack=bool(pack_small_leaves) and compression is None,
             )
-            try:  # its listener for copies, made by every process at once (a collective)
-                self._local = (
-                    local_store(
-                        local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
-                    )
-                    if local
-                    else None
+            undo.callback(self._store.close)
+            # its listener for copies, made by every process at once (a collective)
+            self._local = (
+                local_store(
+                    local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
                 )
-            except BaseException:
-                self._store.close()
-                raise
-        except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-            raise
+                if local
+                else None
+            )
+            undo.pop_all()
         self._reader = Checkpoint(
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes
         )
@@ -261,9 +257,7 @@ class CheckpointManager:
             saves its own state.
           meta: JSON-serialisable run metadata (config, metrics, ...).
         """
-        self._check_open()
-        if self._read_only:
-            raise ConfigError("this CheckpointManager was opened with read_only=True")
+        self._check_open(writing=True)
         step = check_step(step)
         if meta is not None:
             check_json(meta)
@@ -441,11 +435,7 @@ class CheckpointManager:
             several). `data=` restores from its grain item (MaxText's "iter"). Such a step
             has no manifest: it is read unverified (docs, "Coming from Orbax").
         """
-        self._check_open()
-        self._finish_pending()  # a process always sees its own saves
-        if self._local is not None:
-            with self._local_errors(self._local):
-                self._local.wait()  # this process's own local save in flight
+        self.wait()  # a process always sees its own saves, local ones too
         wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
         restored = self._tiers.restore(step, wanted, fallback)
         if self._local is not None and not self._read_only:
@@ -480,9 +470,7 @@ class CheckpointManager:
         """Deletes a committed step that jaxckpt wrote, as retention does: it leaves the
         listing at once, and its files go in the background (`close` waits for them). A
         step plain Orbax wrote is never deleted (ConfigError); the CLI's `jaxckpt rm`."""
-        self._check_open()
-        if self._read_only:
-            raise ConfigError("this CheckpointManager was opened with read_only=True")
+        self._check_open(writing=True)
         self._finish_pending()
         self._store.delete(self._reader.resolve(check_step(step)))
 
@@ -524,6 +512,8 @@ class CheckpointManager:
                 error = lost
         return SaveError(step, error, committed, background=background, missing=missing)
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, writing: bool = False) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+        if writing and self._read_only:
+            raise ConfigError("this CheckpointManager was opened with read_only=True")

@@ -223,11 +223,6 @@ class OrbaxStore:
         self._prefixed = listing.prefixed
         return listing
 
-    def latest(self) -> _layout.Listing:
-        """A listing down to the newest committed step (`Listing.latest`): a stat or two, or
-        requests, whatever the number of steps."""
-        return self.scan(newest=True)
-
     def steps(self) -> list[int]:
         """Committed steps, jaxckpt's and plain Orbax's, oldest first."""
         return list(self.scan().committed)

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import _internals, _layout, _transfer
+from jaxckpt._storage import files_below
 from jaxckpt._tree import ARRAY, KEY, PYTHON, LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import ConfigError, CorruptCheckpointError
 
@@ -106,25 +107,13 @@ def missing_chunks(path: epath.Path) -> list[str]:
         expected = {
             separator.join(map(str, i)) or "0" for i in itertools.product(*map(range, grid))
         }
-        present = _files_below(leaf)
+        present = {str(p.relative_to(leaf)) for p in files_below(leaf)}
         if missing := sorted(expected - present):
             problems.append(
                 f"{leaf.name}: {len(missing)} of {len(expected)} chunk files are missing "
                 f"(first: {missing[0]}), which Orbax would read as zeros"
             )
     return problems
-
-
-def _files_below(root: epath.Path) -> set[str]:
-    """The files below `root`, as paths relative to it (a listing per folder)."""
-    found, stack = set(), [root]
-    while stack:
-        for p in stack.pop().iterdir():
-            if p.is_dir():
-                stack.append(p)
-            else:
-                found.add(str(p.relative_to(root)))
-    return found
 
 
 def _legacy_tree(path: epath.Path) -> Any:

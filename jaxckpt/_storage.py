@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt.errors import ConfigError
@@ -86,6 +87,18 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+def files_below(root: Any) -> Iterator[Any]:
+    """Every file below `root`, a listing per folder (links are followed: for object
+    storage, which has none, and folders Orbax wrote)."""
+    stack = [root]
+    while stack:
+        for path in stack.pop().iterdir():
+            if path.is_dir():
+                stack.append(path)
+            else:
+                yield path
 
 
 def open_inside(root: Any, rel: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from jaxckpt._escape import Formatter, escape, escape_markup
-from jaxckpt._storage import is_remote
+from jaxckpt._storage import files_below, is_remote
 from jaxckpt.errors import ConfigError, JaxckptError, NoCheckpointError
 
 # The exit status: 0 done, 1 an error (what was asked for failed or is not there), 2 a
@@ -206,13 +206,8 @@ def disk_usage(path) -> tuple[int, int]:
                 with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                     size, files = size + os.lstat(os.path.join(folder, name)).st_size, files + 1
         return size, files
-    stack = [path]
-    while stack:
-        for p in stack.pop().iterdir():
-            if p.is_dir():
-                stack.append(p)
-            else:
-                size, files = size + p.stat().length, files + 1
+    for p in files_below(path):
+        size, files = size + p.stat().length, files + 1
     return size, files
 
 
