@@ -353,7 +353,9 @@ def hostile_trials(seed: int, trials: int) -> list[tuple[str, int, str]]:
             "writer commits",
             deleted,
             "the first writer raises LockedError and commits nothing after its last lock "
-            "check; every step verifies and restores",
+            "check (a save it was finishing then is committed whole or not at all: the new "
+            "writer sets unfinished saves aside before deleting them); every step verifies "
+            "and restores",
         )
     )
     rows.append(
