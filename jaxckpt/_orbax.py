@@ -23,7 +23,7 @@ from etils import epath
 from jaxckpt import _integrity, _internals, _layout, _orbax_steps, _packed, _transfer
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
-from jaxckpt._storage import absolute, is_remote
+from jaxckpt._storage import absolute, is_remote, open_inside
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -407,11 +407,15 @@ class OrbaxStore:
                 if len(self._packed) >= 4:  # the steps being read now, not every one read
                     self._packed.clear()
                 self._packed[key] = _packed.PackedStep(
-                    key[0] / _layout.PACKED, info.process_count or 1
+                    key[0] / _layout.PACKED, info.process_count or 1, opener=self.open_file
                 )
         return _transfer.read_packed(
             self._packed[key], info, item, requests, self._restore_inflight_bytes, self.directory
         )
+
+    def open_file(self, folder: epath.Path, name: str) -> Any:
+        """Opens a file of a step's packed leaves to read (`_storage.open_inside`)."""
+        return open_inside(folder, name)
 
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
         args = ocp.args.PyTreeRestore(

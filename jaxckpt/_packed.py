@@ -239,11 +239,19 @@ class PackedStep:
     ValueError (naming the file and what is wrong in it) for an index that is not what
     jaxckpt writes, or that does not cover each leaf it lists."""
 
-    def __init__(self, folder: epath.Path, processes: int, parts: Sequence[int] | None = None):
+    def __init__(
+        self,
+        folder: epath.Path,
+        processes: int,
+        parts: Sequence[int] | None = None,
+        opener: Callable[[Any, str], Any] = open_inside,
+    ):
         """`parts`: the processes whose files are there (None: every process's). A folder of
         some processes' parts (the local tier's) serves only what those parts hold: each
-        region a reader's devices need within one of their pieces (`holds`)."""
+        region a reader's devices need within one of their pieces (`holds`). `opener`:
+        how a file `(folder, name)` is opened to read (`open_inside`; a store's own)."""
         self.folder = folder
+        self._open = opener
         self.processes = processes
         self._partial = parts is not None
         self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
@@ -257,7 +265,7 @@ class PackedStep:
                 continue  # a process's index missing: its leaves are found incomplete
             indexed = True
             try:
-                with open_inside(folder, rel) as f:
+                with opener(folder, rel) as f:
                     doc = json.loads(f.read())
             except (OSError, ValueError, RecursionError) as e:
                 raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
@@ -344,7 +352,7 @@ class PackedStep:
         for process in sorted(processes):
             rel = file_names(process, self.processes)[0]
             try:
-                with open_inside(self.folder, rel) as f:
+                with self._open(self.folder, rel) as f:
                     real = f.seek(0, os.SEEK_END)
             except FileNotFoundError:
                 raise ValueError(f"{PACKED}/{rel} is missing") from None
@@ -379,7 +387,7 @@ class PackedStep:
                     runs.append([p])
                     wanted = p.nbytes
             rel = file_names(process, self.processes)[0]
-            with open_inside(self.folder, rel) as f:
+            with self._open(self.folder, rel) as f:
                 for run in runs:
                     start = run[0].offset
                     stop = max(p.offset + p.nbytes for p in run)

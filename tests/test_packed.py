@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from reliability import faults
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -272,28 +273,25 @@ def test_a_hostile_packed_entry_in_jaxckpt_json_is_a_corrupt_checkpoint(
         m.restore(state=_target(_small_and_big(mesh)))
 
 
-def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(ckpt_dir, monkeypatch):
+def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(ckpt_dir):
     # Small leaves between bigger ones (a 512 KiB "w" and a 128-byte "b" per layer): reading
     # the "b"s alone must not read the "w"s between them in merged requests.
-    from jaxckpt import _packed
-
     state = {
         f"layer{i:02d}": {"w": np.zeros(2**17, np.float32), "b": np.ones(16)} for i in range(8)
     }
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(1, state=state)
     read = []  # the bytes of each read of a packed file
-    real_open = _packed.open_inside
 
-    def measured_open(root, rel):
-        f = real_open(root, rel)
+    def measured_open(open_file, folder, name):
+        f = open_file(folder, name)
         real_readinto = f.readinto
         f.readinto = lambda b: read.append(len(b)) or real_readinto(b)
         return f
 
-    monkeypatch.setattr(_packed, "open_inside", measured_open)
+    measured = faults.store(open_file=measured_open)
     wanted = {k: {"b": v["b"]} for k, v in state.items()}
-    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, store=measured) as m:
         got = m.restore(state=wanted, partial=True).state
     assert all(np.array_equal(got[k]["b"], np.ones(16)) for k in got)
     assert read == [16 * 8] * 8  # each "b" alone: 512 KiB apart, never one merged read
