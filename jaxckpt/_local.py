@@ -41,8 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxckpt import _integrity, _internals, _layout, _packed, _peers, _transfer
 from jaxckpt._peers import discard as _discard
@@ -54,8 +52,6 @@ log = logging.getLogger("jaxckpt")
 
 PART_PATH = f"{_layout.META_DIR}/part.json"
 TMP_SUFFIX = _peers.TMP_SUFFIX  # a folder being written (a part, or a copy received)
-_AGREED_STEPS = 32  # the newest local steps each process reports when they agree
-_HELD = 128  # the most (step, owner) pairs of parts and copies a process reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -584,36 +580,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-# --- agreement between processes (collectives: every process calls these in turn) ---------
-
-
-def holdings(store: LocalStore) -> dict[int, dict[int, list[int]]]:
-    """Every process's local parts and copies, {step: {owner: [holders]}}, of the newest
-    steps each reports (a collective)."""
-    me = jax.process_index()
-    mine = [(s, me) for s in store.steps()[-_AGREED_STEPS:]]
-    for owner, steps in store.copies().items():
-        mine += [(s, owner) for s in steps[-_AGREED_STEPS:]]
-    mine = sorted(mine, reverse=True)[:_HELD]
-    padded = np.full((_HELD, 2), -1, np.int64)
-    if mine:
-        padded[: len(mine)] = mine
-    if jax.process_count() == 1:
-        every = padded[None]
-    else:
-        gathered = multihost_utils.process_allgather(padded)
-        every = np.asarray(gathered).reshape(-1, _HELD, 2)
-    found: dict[int, dict[int, list[int]]] = {}
-    for holder, rows in enumerate(every):
-        for step, owner in rows:
-            if step >= 0:
-                found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
-    return found
-
-
-def complete_steps(held: dict[int, dict[int, list[int]]]) -> list[int]:
-    """The steps of which every process's part is somewhere, oldest first."""
-    owners = set(range(jax.process_count()))
-    return sorted(s for s, parts in held.items() if owners <= set(parts))

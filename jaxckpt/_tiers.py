@@ -18,6 +18,8 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxckpt import _iterators, _local, _transfer
 from jaxckpt._reader import (
@@ -33,6 +35,9 @@ from jaxckpt._tree import check_step, gc_paused
 
 log = logging.getLogger("jaxckpt")
 
+_AGREED_STEPS = 32  # the newest local steps each process reports when they agree
+_HELD = 128  # the most (step, owner) pairs of parts and copies a process reports
+
 
 class Tiers:
     """The persistent tier's reader and, if set, this process's local store."""
@@ -45,7 +50,7 @@ class Tiers:
         process's part of it exists: a collective, with a local tier)."""
         newest = self.persistent.latest()
         if self.local is not None:
-            local = _local.complete_steps(_local.holdings(self.local))
+            local = complete_steps(holdings(self.local))
             if local and (newest is None or local[-1] > newest):
                 return local[-1]
         return newest
@@ -63,8 +68,8 @@ class Tiers:
         """The step from the local tier when every process can restore it from its own
         part (agreed: a collective), else None, with the reason logged. Without `step`: the
         newest local step every process holds, unless the persistent tier has a newer one."""
-        held = _local.holdings(local)
-        steps = _local.complete_steps(held)
+        held = holdings(local)
+        steps = complete_steps(held)
         persistent = self.persistent.listing(newest=True).latest
         if step is not None:
             steps = [s for s in steps if s == check_step(step)]
@@ -129,3 +134,36 @@ class Tiers:
             _iterators.restore(wanted.data, info, local.directory)
         log.info("restored step %d from the local tier (%s)", step, local.directory)
         return dataclasses.replace(restored, data=wanted.data, tier="local")
+
+
+# --- agreement between processes (collectives: every process calls these in turn) ---------
+
+
+def holdings(store: _local.LocalStore) -> dict[int, dict[int, list[int]]]:
+    """Every process's local parts and copies, {step: {owner: [holders]}}, of the newest
+    steps each reports (a collective)."""
+    me = jax.process_index()
+    mine = [(s, me) for s in store.steps()[-_AGREED_STEPS:]]
+    for owner, steps in store.copies().items():
+        mine += [(s, owner) for s in steps[-_AGREED_STEPS:]]
+    mine = sorted(mine, reverse=True)[:_HELD]
+    padded = np.full((_HELD, 2), -1, np.int64)
+    if mine:
+        padded[: len(mine)] = mine
+    if jax.process_count() == 1:
+        every = padded[None]
+    else:
+        gathered = multihost_utils.process_allgather(padded)
+        every = np.asarray(gathered).reshape(-1, _HELD, 2)
+    found: dict[int, dict[int, list[int]]] = {}
+    for holder, rows in enumerate(every):
+        for step, owner in rows:
+            if step >= 0:
+                found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
+    return found
+
+
+def complete_steps(held: dict[int, dict[int, list[int]]]) -> list[int]:
+    """The steps of which every process's part is somewhere, oldest first."""
+    owners = set(range(jax.process_count()))
+    return sorted(s for s, parts in held.items() if owners <= set(parts))

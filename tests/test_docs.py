@@ -324,7 +324,7 @@ def test_the_restore_chain_names_what_the_code_has():
             obj = getattr(obj, attr)
 
 
-def test_the_restore_walk_goes_down_and_no_module_imports_in_a_cycle():
+def test_the_restore_walk_goes_down_no_module_imports_in_a_cycle_or_is_long():
     """The reader and the tiers never import the manager (nothing calls back up), and
     jaxckpt's modules import one another without a cycle (top-level imports, read by ast)."""
     import ast
@@ -363,3 +363,9 @@ def test_the_restore_walk_goes_down_and_no_module_imports_in_a_cycle():
 
     for module in sorted(graph.keys() - packages):
         assert cycle_from(module, [module]) is None, cycle_from(module, [module])
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / "jaxckpt").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, f"modules over 600 lines (split them by what they do): {long}"
