@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -261,18 +262,26 @@ def report(
     return lines
 
 
-def other_results() -> list[str]:
+def other_results(at: Path) -> list[str]:
     """The other benchmarks' pages (benchmarks/results/*.md, each written by its own
-    script, which `make bench` runs), one section each: this page is the current one, its
-    history in git and CHANGELOG.md."""
+    script, which `make bench` runs), one section each, their relative links made relative
+    to the folder `at` of this page: this page is the current one, its history in git and
+    CHANGELOG.md."""
+
+    def rebased(link: re.Match) -> str:
+        target = link.group(1)
+        if "://" in target or target.startswith("#"):
+            return link.group(0)
+        return f"]({os.path.relpath((RESULTS / target).resolve(), at.resolve())})"
+
     lines = ["", "## The other benchmarks", ""]
     for page in sorted(RESULTS.glob("*.md")):
         heading, _, body = page.read_text().partition("\n")
         lines += [
             f"### {heading.lstrip('# ')}",
             "",
-            f"From [`benchmarks/results/{page.name}`](benchmarks/results/{page.name}).",
-            body.rstrip(),
+            f"From [`benchmarks/results/{page.name}`]({os.path.relpath(page, at.resolve())}).",
+            re.sub(r"\]\(([^)\s]+)\)", rebased, body.rstrip()),
             "",
         ]
     return lines
@@ -323,7 +332,7 @@ def main() -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     lines = report(results, states, runs, command, machine)
 
-    text = "\n".join(lines + other_results())
+    text = "\n".join(lines + other_results(args.out.parent))
     args.out.write_text(text)
     print(text)
     return 0

@@ -85,9 +85,10 @@ class CheckpointManager:
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
         stands in for a lock (see the docs, "Object storage"): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer.
-      store, local_store: the classes that do each tier's storage work (jaxckpt's own by
+      store: the class that does the persistent tier's storage work (jaxckpt's own by
         default). A subclass is the seam to inject storage faults through (a failing save,
         a frozen deletion: `reliability/faults.py`) or to count what is read and written.
+      local_store: the same, for the local tier.
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
