@@ -2,8 +2,6 @@
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -82,11 +80,3 @@ def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):
             f"\n--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
-
-
-def wait_until(event: Callable[[], bool], *, timeout_s: float) -> None:
-    """Waits for `event()` to hold (a polled event, with a deadline: never a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while not event():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {event}"
-        time.sleep(0.001)
