@@ -1,0 +1,129 @@
+"""One process of `scale.py`'s job: saves and restores one state, counting its own I/O.
+
+    python -m benchmarks.scale_worker PROCESS_ID PROCESSES PORT SPEC_JSON
+
+SPEC: {"contender": "jaxckpt" | "orbax" | "local", "layout": "replicated" | "fsdp" | "mixed",
+"mib": ..., "directory": ...}. Prints one `RESULT <json>` line: this process's bytes read
+and written and its read and write calls (`/proc/self/io`: rchar, wchar, syscr, syscw, which
+count every byte a process passes through read(2)/write(2), page cache or not) around
+`save` + `wait`, and around a restore in a new manager onto the same mesh, and whether what
+was restored is bitwise what was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reliability import launch
+
+DEVICES = 2  # CPU devices per process
+
+
+def io_counts() -> dict[str, int]:
+    """This process's counters in /proc/self/io."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {k: int(fields[k]) for k in ("rchar", "wchar", "syscr", "syscw")}
+
+
+def counted(fn):
+    before = io_counts()
+    start = time.perf_counter()
+    fn()
+    took = time.perf_counter() - start
+    after = io_counts()
+    return {k: after[k] - before[k] for k in before} | {"seconds": took}
+
+
+def main() -> None:
+    process, processes, port, spec = sys.argv[1:]
+    process, processes, spec = int(process), int(processes), json.loads(spec)
+    launch.join_job(DEVICES, processes, process, port)
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    layout = spec["layout"]
+    devices = np.array(jax.devices())
+    if layout == "mixed":  # model parallel inside a host, data parallel across hosts
+        mesh = Mesh(devices.reshape(processes, DEVICES), ("data", "model"))
+        pspec = P(None, "model")
+    else:
+        mesh = Mesh(devices, ("data",))
+        pspec = P() if layout == "replicated" else P("data")
+    sharding = NamedSharding(mesh, pspec)
+    # 3/4 of the bytes in 8 MiB leaves (Orbax arrays), 1/4 in 1 MiB ones (packed):
+    # incompressible, the same on every process.
+    mib = spec["mib"]
+    shapes = [(2048, 1024)] * (mib * 3 // 4 // 8) + [(256, 1024)] * (mib // 4)
+    hosts = {
+        f"w{i:03d}": np.random.default_rng(i).standard_normal(s, np.float32)
+        for i, s in enumerate(shapes)
+    }
+    state = {
+        k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__) for k, v in hosts.items()
+    }
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in state.items()
+    }
+    directory = spec["directory"]
+    contender = spec["contender"]
+
+    if contender == "orbax":
+        import orbax.checkpoint as ocp
+
+        def manager():
+            return ocp.CheckpointManager(directory)
+
+        writer = manager()
+        save = counted(
+            lambda: (
+                writer.save(1, args=ocp.args.StandardSave(state)),
+                writer.wait_until_finished(),
+            )
+        )
+        writer.close()
+        reader = manager()
+        out = {}
+        restore = counted(
+            lambda: out.update(reader.restore(1, args=ocp.args.StandardRestore(abstract)))
+        )
+        reader.close()
+    else:
+        import jaxckpt
+
+        tier = {}
+        if contender == "local":
+            tier = {"local": jaxckpt.LocalTier(f"{spec['local']}/{process}", every_steps=1)}
+        writer = jaxckpt.CheckpointManager(directory, **tier)
+        save = counted(lambda: (writer.save(1, state=state), writer.wait()))
+        writer.close()
+        reader = jaxckpt.CheckpointManager(directory, **tier)
+        got = {}
+        restore = counted(lambda: got.update(tier=reader.restore(state=abstract)))
+        out = got["tier"].state
+        restore["tier"] = got["tier"].tier
+        reader.close()
+
+    bitwise = all(
+        np.array_equal(np.asarray(shard.data), hosts[k][shard.index])
+        for k, v in out.items()
+        for shard in v.addressable_shards
+    ) and set(out) == set(hosts)
+    state_bytes = sum(v.nbytes for v in hosts.values())
+    print(
+        "RESULT "
+        + json.dumps(
+            {"save": save, "restore": restore, "bitwise": bitwise, "state_bytes": state_bytes}
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
