@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.scale_worker import DEVICES, measure
 from benchmarks.tables import table
-from reliability import launch
-from tests.multihost import free_port
+from tests.multihost import run_job
 
 OUT = Path(__file__).resolve().parent / "results"
 LAYOUTS = ("replicated", "fsdp", "mixed")
@@ -44,34 +43,8 @@ def run(contender: str, layout: str, processes: int, mib: int, root: Path) -> di
     """One job: every process's counts, and the step folder's files and bytes."""
     directory = root / f"{contender}-{layout}-{processes}"
     spec = {"contender": contender, "layout": layout, "mib": mib, "directory": str(directory)}
-    port = free_port()
-    procs = [
-        launch.start(
-            "-m",
-            "benchmarks.scale_worker",
-            i,
-            processes,
-            port,
-            json.dumps(spec),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(processes)
-    ]
-    reports = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-            if p.returncode or not lines:
-                raise RuntimeError(
-                    f"{contender} {layout} x{processes}: rc={p.returncode}\n{err[-4000:]}"
-                )
-            reports.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for p in procs:
-            p.kill()
+    jobs = run_job(measure, processes=processes, devices=DEVICES, args=spec, timeout=600)
+    reports = [r.report() for r in jobs]
     sizes = [f.stat().st_size for f in (directory / "1").rglob("*") if f.is_file()]
     shutil.rmtree(directory)
     return {"processes": reports, "files": len(sizes), "bytes": sum(sizes)}

@@ -1,10 +1,8 @@
-"""One process of `scale.py`'s job: saves and restores one state, counting its own I/O.
+"""One process of `scale.py`'s job (`measure`, run by `tests/multihost.run_job` in each
+process of the job): saves and restores one state, counting its own I/O.
 
-    python -m benchmarks.scale_worker PROCESS_ID PROCESSES PORT SPEC_JSON
-
-SPEC: {"contender": "jaxckpt" | "orbax" | "local", "layout": "replicated" | "fsdp" | "mixed",
-"mib": ..., "directory": ...}. Prints one `RESULT <json>` line: this process's bytes read
-and written and its read and write calls (`/proc/self/io`: rchar, wchar, syscr, syscw, which
+`job.args`: {"contender": "jaxckpt" | "orbax", "layout": "replicated" | "fsdp" | "mixed",
+"mib": ..., "directory": ...}. Returns this process's bytes read and written and its read and write calls (`/proc/self/io`: rchar, wchar, syscr, syscw, which
 count every byte a process passes through read(2)/write(2), page cache or not) around
 `save` + `wait`, and around a restore in a new manager onto the same mesh, and whether what
 was restored is bitwise what was saved.
@@ -12,13 +10,9 @@ was restored is bitwise what was saved.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reliability import launch
+from typing import Any
 
 DEVICES = 2  # CPU devices per process
 
@@ -38,11 +32,8 @@ def counted(fn):
     return {k: after[k] - before[k] for k in before} | {"seconds": took}
 
 
-def main() -> None:
-    process, processes, port, spec = sys.argv[1:]
-    process, processes, spec = int(process), int(processes), json.loads(spec)
-    launch.join_job(DEVICES, processes, process, port)
-
+def measure(job: Any) -> dict:
+    processes, spec = job.num_processes, job.args
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -77,10 +68,7 @@ def main() -> None:
     if contender == "orbax":
         import orbax.checkpoint as ocp
 
-        def manager():
-            return ocp.CheckpointManager(directory)
-
-        writer = manager()
+        writer = ocp.CheckpointManager(directory)
         save = counted(
             lambda: (
                 writer.save(1, args=ocp.args.StandardSave(state)),
@@ -88,7 +76,7 @@ def main() -> None:
             )
         )
         writer.close()
-        reader = manager()
+        reader = ocp.CheckpointManager(directory)
         out = {}
         restore = counted(
             lambda: out.update(reader.restore(1, args=ocp.args.StandardRestore(abstract)))
@@ -97,17 +85,12 @@ def main() -> None:
     else:
         import jaxckpt
 
-        tier = {}
-        if contender == "local":
-            tier = {"local": jaxckpt.LocalTier(f"{spec['local']}/{process}", every_steps=1)}
-        writer = jaxckpt.CheckpointManager(directory, **tier)
+        writer = jaxckpt.CheckpointManager(directory)
         save = counted(lambda: (writer.save(1, state=state), writer.wait()))
         writer.close()
-        reader = jaxckpt.CheckpointManager(directory, **tier)
-        got = {}
-        restore = counted(lambda: got.update(tier=reader.restore(state=abstract)))
-        out = got["tier"].state
-        restore["tier"] = got["tier"].tier
+        reader = jaxckpt.CheckpointManager(directory)
+        out = {}
+        restore = counted(lambda: out.update(reader.restore(state=abstract).state))
         reader.close()
 
     bitwise = all(
@@ -116,14 +99,4 @@ def main() -> None:
         for shard in v.addressable_shards
     ) and set(out) == set(hosts)
     state_bytes = sum(v.nbytes for v in hosts.values())
-    print(
-        "RESULT "
-        + json.dumps(
-            {"save": save, "restore": restore, "bitwise": bitwise, "state_bytes": state_bytes}
-        ),
-        flush=True,
-    )
-
-
-if __name__ == "__main__":
-    main()
+    return {"save": save, "restore": restore, "bitwise": bitwise, "state_bytes": state_bytes}
