@@ -6,6 +6,13 @@ xxHash's XXH3-128 (python-xxhash) and writes `jaxckpt/manifest.json`. So a commi
 always carries its manifest, and `verify` can tell exactly which file is missing, truncated
 or changed. Orbax's two commit files are left out: Orbax itself rewrites them during the
 rename, after the manifest.
+
+A restore reads each byte once. The manifest lists the files whose every byte a read checks
+itself (`read_checked`): the arrays' data files (zarr3 chunks, each with a CRC-32C that
+tensorstore checks as it decodes the chunk, `_internals.checksummed`) and the packed leaves'
+files (each piece with its XXH3-64 in the index, `jaxckpt._packed`). A restore hashes only
+the other, small files; a read that fails then has the whole step hashed, to name the file
+that does not match. `verify` hashes every file.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from etils import epath
 
 from jaxckpt import _layout
 from jaxckpt._storage import files_below, is_remote, open_inside
-from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.errors import CorruptCheckpointError, RestoreError
 
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
@@ -100,7 +107,21 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jaxckpt-hash")
 
 
-def write_manifest(step_dir: epath.Path) -> None:
+def checked_on_read(rel: str) -> bool:
+    """Whether a read checks every byte of the step's file `rel` itself, as a step saved
+    with chunk checksums (`write_manifest(..., read_checked=True)`) holds it: an OCDBT data
+    file of an item of arrays (`<item>/[ocdbt.process_<i>/]d/<name>`: its chunks' and
+    nodes' checksums), or a packed file of bytes (its pieces' digests)."""
+    parts = rel.split("/")
+    if parts[0] == _layout.PACKED:
+        return len(parts) == 2 and parts[1].endswith(".bin")
+    return parts[0] in _layout.ITEMS and len(parts) >= 3 and parts[-2] == "d"
+
+
+def write_manifest(step_dir: epath.Path, *, read_checked: bool = False) -> None:
+    """The manifest of every file of a step; `read_checked`: its arrays were written with
+    chunk checksums and its packed pieces with digests, so that the files a read checks
+    itself (`checked_on_read`) are listed as such."""
     rels, odd = _listing(step_dir)
     if odd:  # never written by Orbax: something else wrote into the step being saved
         raise OSError(f"{step_dir} holds what no save writes: {'; '.join(odd)}")
@@ -109,7 +130,13 @@ def write_manifest(step_dir: epath.Path) -> None:
     files = {
         rel: {"size": size, HASH: found} for rel, (size, found) in zip(rels, digests, strict=True)
     }
-    doc = {"format": 1, "hash": f"{HASH} (python-xxhash {xxhash.VERSION})", "files": files}
+    doc: dict[str, Any] = {
+        "format": 1,
+        "hash": f"{HASH} (python-xxhash {xxhash.VERSION})",
+        "files": files,
+    }
+    if read_checked:
+        doc["read_checked"] = [rel for rel in rels if checked_on_read(rel)]
     (step_dir / _layout.META_DIR).mkdir(exist_ok=True)
     (step_dir / _layout.MANIFEST_PATH).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
@@ -123,14 +150,17 @@ def verify_step(
     *,
     share: tuple[int, int] = (0, 1),
     progress: Progress | None = None,
+    unread: bool = False,
 ) -> StepReport:
     """Checks every file of a step against its manifest; never raises for bad data.
 
     `share=(i, n)` checks only every n-th listed file starting at i, so that n processes
     verify a step together, each reading a part of it. `progress` is called after each file.
+    `unread`: only the files a read does not check itself (the manifest's `read_checked`
+    left out, their presence still checked): what a restore hashes before it reads.
     """
     try:
-        listed = _manifest(step_dir)
+        listed, read_checked = _manifest(step_dir)
     except FileNotFoundError:
         return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is missing",))
     except (OSError, ValueError) as e:
@@ -138,7 +168,8 @@ def verify_step(
     problems, total = [], 0
     files, odd = _listing(step_dir)
     present = set(files)
-    mine = sorted(listed.items())[share[0] :: share[1]]
+    hashed = {r: e for r, e in listed.items() if not (unread and r in read_checked)}
+    mine = sorted(hashed.items())[share[0] :: share[1]]
     to_check = sum(e["size"] for _, e in mine)
 
     def check(item: tuple[str, dict[str, Any]]) -> tuple[int, str | None]:
@@ -167,11 +198,13 @@ def verify_step(
     if share[0] == 0:
         problems += odd
         problems += [f"{rel}: not in the manifest" for rel in sorted(present - set(listed))]
+        problems += [f"{rel}: missing" for rel in sorted(set(listed) - set(hashed) - present)]
     return StepReport(step, len(listed), total, tuple(problems))
 
 
-def _manifest(step_dir: epath.Path) -> dict[str, dict[str, Any]]:
-    """The manifest's `files`, each entry checked: ValueError naming the first bad field."""
+def _manifest(step_dir: epath.Path) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+    """The manifest's `files`, each entry checked (ValueError naming the first bad field),
+    and those of them a read checks itself (`read_checked`)."""
     with open_inside(step_dir, _layout.MANIFEST_PATH) as f:
         text = f.read()
     try:
@@ -189,27 +222,39 @@ def _manifest(step_dir: epath.Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"files[{rel!r}].size is not a byte count")
         if not isinstance(entry.get(HASH), str):
             raise ValueError(f"files[{rel!r}].{HASH} is not a hex digest")
-    return files
+    read_checked = doc.get("read_checked", [])
+    if not isinstance(read_checked, list) or not all(
+        isinstance(rel, str) and rel in files and checked_on_read(rel) for rel in read_checked
+    ):
+        raise ValueError("'read_checked' is not a list of the data files it names")
+    return files, frozenset(read_checked)
 
 
 @contextlib.contextmanager
 def verified_while_reading(
-    directory: epath.Path, step: int, folder: epath.Path, *, verify: bool = True
+    directory: epath.Path,
+    step: int,
+    folder: epath.Path,
+    *,
+    verify: bool = True,
+    unread: bool = False,
 ) -> Iterator[Callable[[], None]]:
     """Around a read of a step (restore, export): links and special files are refused before
     the body runs, and Orbax or tensorstore opens anything. With `verify`, the step's files
     are hashed in a worker thread while the body reads, and the `check()` yielded raises
     CorruptCheckpointError unless they match the manifest (waiting for the hashing); it also
     runs when the body leaves, and first when it fails: corruption explains a failed read.
-    `folder`: the step's folder (`OrbaxStore.step_dir`; a step Orbax wrote may be named
-    otherwise than `<directory>/<step>`)."""
+    `unread`: the body reads every array it needs, so only the files a read does not check
+    itself are hashed (`verify_step`), and a read that fails (`explain`) has them all
+    hashed. `folder`: the step's folder (`OrbaxStore.step_dir`; a step Orbax wrote may be
+    named otherwise than `<directory>/<step>`)."""
     if problems := unsafe_entries(folder):
         raise CorruptCheckpointError(step, problems, str(directory))
     if not verify:
         yield lambda: None
         return
     with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-        report = pool.submit(verify_step, folder, step)
+        report = pool.submit(verify_step, folder, step, unread=unread)
 
         def check() -> None:
             if problems := report.result().problems:
@@ -217,7 +262,15 @@ def verified_while_reading(
 
         try:
             yield check
-        except Exception:
+        except Exception as e:
             check()
+            if unread and explains(e) and (found := verify_step(folder, step).problems):
+                raise CorruptCheckpointError(step, found, str(directory)) from e
             raise
         check()
+
+
+def explains(error: BaseException) -> bool:
+    """Whether a damaged file could explain a read's failure (a read error, or what was
+    read not being what jaxckpt writes), so that hashing the step may name the file."""
+    return isinstance(error, RestoreError | CorruptCheckpointError)

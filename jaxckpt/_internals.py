@@ -179,4 +179,47 @@ def coordinator_route() -> str:
         return s.getsockname()[0]
 
 
+# The directories whose arrays Orbax writes with a CRC-32C on every chunk (`checksummed`):
+# jaxckpt's own persistent directories. A restore then reads each byte once, tensorstore
+# checking every chunk it decodes, instead of hashing the files beside (a second read).
+_CHECKSUMMED: set[str] = set()
+CHUNK_CHECKSUM = {"name": "crc32c"}
+
+
+def checksummed(directory: epath.Path) -> None:
+    """Orbax's zarr3 arrays saved below `directory` from now on carry a CRC-32C per chunk
+    (the zarr3 `crc32c` codec, last in each chunk's codecs: plain Orbax and tensorstore
+    read them as they are). Orbax builds every array's spec in one function and offers no
+    option for the chunks' codecs (only its shard index gets a checksum): that function is
+    wrapped once, and changes only the specs of arrays below such a directory."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    _CHECKSUMMED.add(str(directory).rstrip("/") + "/")
+    build = tensorstore_utils.build_array_write_spec
+    if getattr(build, "_jaxckpt_checksums", False):
+        return
+
+    @functools.wraps(build)
+    def with_checksums(info: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = build(info, *args, **kwargs)
+        parent = str(info.parent_dir).rstrip("/") + "/"
+        if any(parent.startswith(d) for d in _CHECKSUMMED):
+            _add_chunk_checksum(spec.json)
+        return spec
+
+    with_checksums._jaxckpt_checksums = True  # type: ignore[attr-defined]
+    tensorstore_utils.build_array_write_spec = with_checksums
+
+
+def _add_chunk_checksum(tspec: dict[str, Any]) -> None:
+    """A CRC-32C last in the chunk codecs of a zarr3 write spec (a `cast` spec: its base's)."""
+    while tspec.get("driver") == "cast":
+        tspec = tspec["base"]
+    for codec in tspec.get("metadata", {}).get("codecs", []):
+        if codec.get("name") == "sharding_indexed":
+            codecs = codec["configuration"]["codecs"]
+            if CHUNK_CHECKSUM not in codecs:
+                codecs.append(dict(CHUNK_CHECKSUM))
+
+
 # --- end of Orbax's and JAX's internals -------------------------------------------------

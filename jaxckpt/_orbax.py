@@ -54,7 +54,10 @@ class _UnlistedSteps:
         return iter(())
 
 
-REPLICA_PARALLEL_MIN_BYTES = 4 * 2**20
+# A replicated array (only those above `_packed.MAX_LEAF_BYTES` are Orbax's) is written by
+# its replicas in slices of at least this many bytes each: the busiest process writes ~1/N
+# of it (benchmarks/scale.py).
+REPLICA_PARALLEL_MIN_BYTES = 256 * 2**10
 # OCDBT packs a process's writes into data files of about this size, written in parallel;
 # without a target it writes one file at a time (2-3x slower, BENCHMARKS.md).
 DATA_FILE_BYTES = 128 * 2**20
@@ -163,9 +166,15 @@ class OrbaxStore:
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
+        # zarr3, each chunk with a CRC-32C (`_internals.checksummed`): a restore checks
+        # every byte as tensorstore decodes it, reading each once.
         arrays = ocp.PyTreeCheckpointHandler(
-            use_compression=compression == "zstd", type_handler_registry=_registry()
+            use_compression=compression == "zstd",
+            use_zarr3=True,
+            type_handler_registry=_registry(),
         )
+        if not read_only:
+            _internals.checksummed(self.directory)
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
         options = ocp.CheckpointManagerOptions(
@@ -302,7 +311,8 @@ class OrbaxStore:
            now, and every process writes its shards into it in the background.
         3. Once every item is written on every process (Orbax's post-finalization
            callback, `before_commit`), process 0 writes the manifest of every file
-           (`_integrity.write_manifest`), then asks the lock again, of the server itself
+           (`_integrity.write_manifest`: the data files, whose chunks and pieces carry
+           checksums of their own, listed as checked by a read), then asks the lock again, of the server itself
            for a lease: a writer that lost it raises there and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.
@@ -344,7 +354,7 @@ class OrbaxStore:
     def before_commit(self, folder: epath.Path) -> None:
         """Step 3 of the commit protocol (`save`), on process 0: the manifest of the step's
         `folder`, then the lock asked again; a writer that lost it never commits."""
-        _integrity.write_manifest(folder)
+        _integrity.write_manifest(folder, read_checked=True)
         if self._lock is not None:
             self._lock.check(confirm=True)
 
@@ -519,7 +529,8 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     distinct piece on the save's blocking path: the first save of a training state with
     replicated biases and norms compiled for ~2 s. One process gains nothing from it (it
     writes every piece anyway), so only several processes use it, and only for pieces of
-    at least REPLICA_PARALLEL_MIN_BYTES.
+    at least REPLICA_PARALLEL_MIN_BYTES (the small leaves are packed, `_packed`, their
+    pieces spread over the processes holding them).
     """
     return ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler()),

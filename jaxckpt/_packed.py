@@ -6,12 +6,18 @@ A leaf of at most MAX_LEAF_BYTES is instead copied off the devices with the rest
 written, with every other small leaf this process holds, into one file of bytes:
 
     <step>/packed/<i>-of-<n>.bin     process i's pieces, back to back
-    <step>/packed/<i>-of-<n>.json    their index: {"format": 1, "bytes": size, "leaves":
+    <step>/packed/<i>-of-<n>.json    their index: {"format": 2, "bytes": size, "leaves":
                                      {item: {name: {"dtype": ..., "shape": [...],
-                                      "pieces": [[offset, [[start, stop], ...]], ...]}}}}
+                                      "pieces": [[offset, [[start, stop], ...], xxh3]
+                                      , ...]}}}}
 
-A piece is one distinct shard of a leaf (replica 0 of it: each written once in the job),
-or the whole leaf where this process holds all of it. A reader takes the pieces that
+Each piece carries the XXH3-64 of its bytes (hex), computed as it is written and checked as
+it is read, so that a restore reads each byte once (format 1, before it: no digests).
+
+A piece is one distinct shard of a leaf, written once in the job by one of the processes
+holding it (the one that has written the fewest bytes so far: every process computes the
+same choice from the global sharding, so a replicated state is written ~1/N by each of N
+processes), or the whole leaf where this process holds all of it. A reader takes the pieces that
 overlap what its devices need, from any process's file: a step restores onto any mesh and
 process count, as Orbax's arrays do. Files are written in the save's background, inside
 the step's temporary folder, so Orbax's commit and jaxckpt's manifest cover them.
@@ -39,6 +45,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import xxhash
 from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED
@@ -46,7 +53,8 @@ from jaxckpt._storage import is_remote, open_inside
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
+_FORMATS = (1, INDEX_FORMAT)
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 # A restore reads packed leaves in batches of at most this many bytes (or its budget, if
 # smaller), each placed before the next is read: at most one batch's bytes wait on the host.
@@ -78,13 +86,17 @@ class HostPieces:
     chunks: list[Any]
     size: int
 
-    def index_json(self) -> str:
+    def index_json(self, digests: Iterable[str]) -> str:
+        """The index, `digests` those of the chunks as written, in order."""
         index: dict[str, dict[str, Any]] = {}
+        found = iter(digests)
         for item, name, dtype, shape, pieces in self.leaves:
             index.setdefault(item, {})[name] = {
                 "dtype": dtype.name,
                 "shape": list(shape),
-                "pieces": [[offset, [list(b) for b in bounds]] for offset, bounds in pieces],
+                "pieces": [
+                    [offset, [list(b) for b in bounds], next(found)] for offset, bounds in pieces
+                ],
             }
         return json.dumps({"format": INDEX_FORMAT, "bytes": self.size, "leaves": index})
 
@@ -105,27 +117,47 @@ def _filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> 
     return host
 
 
-_PIECE_PLANS: dict[tuple, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+Bounds = tuple[tuple[int, int], ...]
+# per (sharding, shape): the first position among the addressable shards of each distinct
+# shard this process holds, and each distinct shard of the job with its bytes and holders
+_PIECE_PLANS: dict[tuple, tuple[dict[Bounds, int], list[tuple[Bounds, int, tuple[int, ...]]]]] = {}
 
 
-def _piece_plan(value: jax.Array, local: bool) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+def _piece_plan(value: jax.Array, local: bool, loads: list[int]) -> list[tuple[int, Bounds]]:
     """Which of the array's addressable shards this process writes, by position, with the
-    bounds of each: replica 0 of each distinct one (each written once in the job), or with
-    `local` the first this process holds of each (its part alone holds all it needs).
-    Cached per sharding and shape, as training states repeat a few of them over thousands
-    of leaves."""
-    key = (value.sharding, value.shape, local)
-    plan = _PIECE_PLANS.get(key)
-    if plan is None:
-        plan, seen = [], set()
+    bounds of each: with `local` (its part alone holds all it needs) the first it holds of
+    each distinct shard; otherwise those it is the writer of: of the processes holding a
+    distinct shard, the one with the fewest bytes in `loads` (the bytes each process
+    writes, counted alike by every process, leaf after leaf; updated here). What each
+    process holds is cached per sharding and shape, as training states repeat a few of
+    them over thousands of leaves."""
+    key = (value.sharding, value.shape)
+    found = _PIECE_PLANS.get(key)
+    if found is None:
+        mine: dict[Bounds, int] = {}
         for i, shard in enumerate(value.addressable_shards):
-            bounds = _bounds(shard.index, value.shape)
-            if (shard.replica_id == 0 and not local) or (local and bounds not in seen):
-                plan.append((i, bounds))
-                seen.add(bounds)
+            mine.setdefault(_bounds(shard.index, value.shape), i)
+        holders: dict[Bounds, set[int]] = {}
+        for device, index in value.sharding.devices_indices_map(value.shape).items():
+            process = device.process_index  # type: ignore[attr-defined]  # (jaxlib: no stubs)
+            holders.setdefault(_bounds(index, value.shape), set()).add(process)
+        itemsize = np.dtype(value.dtype).itemsize
+        shards = [
+            (b, math.prod(hi - lo for lo, hi in b) * itemsize, tuple(sorted(p)))
+            for b, p in sorted(holders.items())
+        ]
         if len(_PIECE_PLANS) > 1024:
             _PIECE_PLANS.clear()
-        _PIECE_PLANS[key] = plan
+        found = _PIECE_PLANS[key] = (mine, shards)
+    mine, shards = found
+    if local or value.is_fully_addressable:
+        return [(i, bounds) for bounds, i in mine.items()]
+    me, plan = jax.process_index(), []
+    for bounds, nbytes, holding in shards:
+        writer = min(holding, key=lambda p: (loads[p], p))
+        loads[writer] += nbytes
+        if writer == me:
+            plan.append((mine[bounds], bounds))
     return plan
 
 
@@ -146,9 +178,10 @@ def to_host(
     happens here (`buffers(array)`: its addressable single-device arrays, in the order of
     `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
     donates). A jax.Array this process holds whole is one piece (assembled in the
-    background); of one spread over processes, each distinct shard it holds the first
-    replica of; a NumPy leaf (the same on every process) is written by process 0. With
-    `local` (the local tier), every distinct shard this process holds, and every NumPy leaf."""
+    background); of one spread over processes, each distinct shard it is the writer of
+    (`_piece_plan`); a NumPy leaf (the same on every process) is written by the process
+    that has written the fewest bytes so far. With `local` (the local tier), every distinct
+    shard this process holds, and every NumPy leaf."""
     if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
         for arrays in items.values():  # devices' memory is the host's: nothing to start)
             for value in arrays.values():
@@ -157,12 +190,12 @@ def to_host(
     leaves: list[tuple] = []
     chunks: list[Any] = []
     offset = 0
-    first = local or jax.process_index() == 0
+    me, loads = jax.process_index(), [0] * jax.process_count()
     for item, arrays in items.items():
         for name, value in arrays.items():
             shape, dtype = value.shape, np.dtype(value.dtype)
             if isinstance(value, jax.Array):
-                plan = _piece_plan(value, local)
+                plan = _piece_plan(value, local, loads)
                 if not plan:
                     continue
                 buffers_of = buffers(value)
@@ -177,7 +210,7 @@ def to_host(
                 for (_, bounds), shard in zip(plan, shards, strict=True):
                     pieces.append((offset, bounds))
                     offset += shard.nbytes
-            elif first:
+            elif local or _writer(loads, value.nbytes) == me:
                 chunks.append(np.ascontiguousarray(value))
                 pieces = [(offset, _all(shape))]
                 offset += value.nbytes
@@ -185,6 +218,14 @@ def to_host(
                 continue
             leaves.append((item, name, dtype, shape, pieces))
     return HostPieces(leaves, chunks, offset)
+
+
+def _writer(loads: list[int], nbytes: int) -> int:
+    """Of all processes, the one with the fewest bytes in `loads` (then the first), which
+    writes `nbytes` more (`loads` updated)."""
+    writer = min(range(len(loads)), key=lambda p: (loads[p], p))
+    loads[writer] += nbytes
+    return writer
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,22 +239,34 @@ def write(folder: epath.Path, pieces: HostPieces) -> None:
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
     holds at most one leaf beyond what the save copied off the devices."""
     data, index = file_names(jax.process_index(), jax.process_count())
-    for name, chunks in ((data, pieces.chunks), (index, [pieces.index_json().encode()])):
-        if is_remote(folder):  # an object appears once closed: never a part of one
-            f = (folder / name).open("wb")
-            try:
-                for chunk in chunks:
-                    f.write(_bytes(chunk))
-            except BaseException:
-                getattr(f, "discard", f.close)()
-                raise
-            f.close()
-            continue
-        with open(folder / name, "wb", buffering=_WRITE_BUFFER) as f:
+    digests: list[str] = []
+    _write(folder, data, pieces.chunks, digests)
+    _write(folder, index, [pieces.index_json(digests).encode()], [])
+
+
+def _write(folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]) -> None:
+    """One file of `chunks`, the digest of each appended to `digests` as it is written."""
+    if is_remote(folder):  # an object appears once closed: never a part of one
+        f = (folder / name).open("wb")
+        try:
             for chunk in chunks:
-                f.write(_bytes(chunk))
-            f.flush()
-            os.fsync(f.fileno())  # as durable as tensorstore's own files
+                f.write(_digested(chunk, digests))
+        except BaseException:
+            getattr(f, "discard", f.close)()
+            raise
+        f.close()
+        return
+    with open(folder / name, "wb", buffering=_WRITE_BUFFER) as f:
+        for chunk in chunks:
+            f.write(_digested(chunk, digests))
+        f.flush()
+        os.fsync(f.fileno())  # as durable as tensorstore's own files
+
+
+def _digested(chunk: Any, digests: list[str]) -> Any:
+    data = _bytes(chunk)
+    digests.append(xxhash.xxh3_64_hexdigest(data))  # releases the GIL, as writing does
+    return data
 
 
 _WRITE_BUFFER = 8 * 2**20  # small pieces are gathered into writes of this size
@@ -232,6 +285,7 @@ class _Piece:
     offset: int
     bounds: tuple[tuple[int, int], ...]
     nbytes: int
+    digest: str | None  # XXH3-64 hex of its bytes (None: format 1)
 
 
 class PackedStep:
@@ -276,7 +330,7 @@ class PackedStep:
     def _add(self, process: int, doc: Any, where: str) -> None:
         if not (
             isinstance(doc, dict)
-            and doc.get("format") == INDEX_FORMAT
+            and doc.get("format") in _FORMATS
             and is_count(doc.get("bytes"))
             and isinstance(doc.get("leaves"), dict)
         ):
@@ -288,7 +342,9 @@ class PackedStep:
                 raise ValueError(f"{where}: item {item!r} is not an object of leaves")
             known = self._leaves.setdefault(item, {})
             for name, entry in leaves.items():
-                dtype, shape, pieces = _entry(entry, process, doc["bytes"], f"{where}: {name!r}")
+                dtype, shape, pieces = _entry(
+                    entry, process, doc["bytes"], doc["format"], f"{where}: {name!r}"
+                )
                 spans.extend((p.offset, p.nbytes) for p in pieces if p.nbytes)
                 if name in known:
                     if known[name][:2] != (dtype, shape):
@@ -402,10 +458,18 @@ class PackedStep:
                         )
                     for p in run:
                         out[p] = view[p.offset - start : p.offset - start + p.nbytes]
+                        if (
+                            p.digest is not None
+                            and xxhash.xxh3_64_hexdigest(out[p].data) != p.digest
+                        ):
+                            raise ValueError(
+                                f"{PACKED}/{rel}: the {p.nbytes} bytes at byte {p.offset} do "
+                                "not match their checksum in the index (the file is damaged)"
+                            )
         return out
 
 
-def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
+def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tuple:
     shape = entry.get("shape") if type(entry) is dict else None
     pieces = entry.get("pieces") if type(entry) is dict else None
     if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
@@ -416,15 +480,24 @@ def _entry(entry: Any, process: int, size: int, where: str) -> tuple:
     shape = tuple(shape)
     out = []
     for piece in pieces:
+        digest = piece.pop() if version > 1 and type(piece) is list and piece else None
         bounds = _piece_bounds(piece, shape)
-        if bounds is None:
-            raise ValueError(f"{where}: a piece is not [offset, [[start, stop], ...]] within shape")
+        if bounds is None or (version > 1 and not _is_digest(digest)):
+            raise ValueError(
+                f"{where}: a piece is not [offset, [[start, stop], ...]"
+                + (", xxh3-64]" if version > 1 else "]")
+                + " within shape"
+            )
         offset = piece[0]
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
         if offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        out.append(_Piece(process, offset, bounds, nbytes))
+        out.append(_Piece(process, offset, bounds, nbytes, digest))
     return dtype, shape, out
+
+
+def _is_digest(value: Any) -> bool:
+    return type(value) is str and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:

@@ -11,8 +11,10 @@ A restore goes down, and never back up (the docs' architecture page states it so
       Checkpoint._read_step          one step:
         store.info                   its StepInfo (`_layout`, or what Orbax recorded)
         check_data                   the data iterator against what was saved; all agree
-        _integrity                   files against the manifest: a share each, agreed, or
-                                     hashed while the arrays are read
+        _integrity                   the files a read does not check itself against the
+                                     manifest: a share each, agreed, or hashed while the
+                                     arrays are read (each chunk and piece checked as it
+                                     is decoded; a failed read hashes the whole step)
         read_trees                   the trees: per item, `_match.plan_restore` (the target
                                      against the leaf specs), `store.read_arrays` (Orbax
                                      arrays and packed leaves, `_transfer`), rebuilt
@@ -42,6 +44,7 @@ from jaxckpt.errors import (
     DataStateError,
     JaxckptError,
     NoCheckpointError,
+    RestoreError,
     StepNotFoundError,
     TreeMismatchError,
 )
@@ -337,34 +340,67 @@ class Checkpoint:
     def _read_step(self, step: int, wanted: Wanted) -> Restored:
         """Restores a step; verified, only if its files match the manifest.
 
-        One process hashes the files in a worker thread while it reads the arrays, and
+        Each byte is read once: the arrays' chunks and the packed pieces are checked as
+        they are read (`_integrity`), and only the files a read does not check itself are
+        hashed. One process hashes those in a worker thread while it reads the arrays, and
         returns nothing (moves no data iterator) unless they match. Several processes first
-        agree on the verdict (a collective), then read, so no process reads a corrupt step
-        that another refuses. A step plain Orbax wrote has no manifest: it is read as is.
+        agree on the verdict of a share each (a collective), then read, and agree again
+        on the read (a collective): a read that failed anywhere has the whole step hashed,
+        a share each, so every process names the damaged file and falls back alike. A step
+        plain Orbax wrote has no manifest: it is read as is.
         """
         data = wanted.data
         several = jax.process_count() > 1
         verify = self._verify and self.is_checksummed(step)
         if verify and several:
-            self._check_share(step)
+            self._check_share(step, unread=True)
         info = None
         if data is not None or not verify:  # before any array is read or file hashed
             info = self.info(step, wanted.item)
             check_data(info, data, wanted.mismatch_ok, self.directory)
         with _integrity.verified_while_reading(
-            self.directory, step, self.folder(step), verify=verify and not several
+            self.directory, step, self.folder(step), verify=verify and not several, unread=True
         ):
             info = info or self.info(step, wanted.item)
-            restored = read_trees(info, wanted, self._store)
+            restored = self._agreed(
+                step, verify and several, lambda: read_trees(info, wanted, self._store)
+            )
         if data is not None:  # last: after everything else was read (and verified)
             _iterators.restore(data, info, self.directory)
             restored = dataclasses.replace(restored, data=data)
         return restored
 
-    def _check_share(self, step: int) -> None:
-        """Each process checks a share of the step's files; all agree on the verdict."""
+    def _agreed(self, step: int, verify: bool, read: Callable[[], Restored]) -> Restored:
+        """`read()`, in a multi-process job agreed by all (a collective): if it failed on any
+        process in a way a damaged file explains, the whole step is hashed, a share each,
+        and every process raises the same CorruptCheckpointError if a file does not match."""
+        if not verify:
+            return read()
+        try:
+            restored, failed = read(), None
+        except Exception as e:
+            restored, failed = None, e
+        found = refusing(
+            type(failed).__name__ if failed is not None and _integrity.explains(failed) else None
+        )
+        if found:
+            self._check_share(step)
+        if failed is not None:
+            raise failed
+        if found:  # the step matched its manifest: another process's storage failed
+            raise RestoreError(
+                f"reading step {step} in {self.directory} failed on process(es) {found} "
+                "(their errors say why), though its files match the manifest"
+            )
+        assert restored is not None
+        return restored
+
+    def _check_share(self, step: int, *, unread: bool = False) -> None:
+        """Each process checks a share of the step's files (`unread`: of those a read does
+        not check itself); all agree on the verdict."""
         share = (jax.process_index(), jax.process_count())
-        problems = _integrity.verify_step(self.folder(step), step, share=share).problems
+        folder = self.folder(step)
+        problems = _integrity.verify_step(folder, step, share=share, unread=unread).problems
         found = refusing("; ".join(problems) or None)
         if found and not problems:
             problems = (f"process(es) {found} found files that do not match the manifest",)

@@ -25,13 +25,18 @@ def saved_on_two_hosts(tmp_path):
     return tmp_path
 
 
-def test_each_process_packs_only_the_first_replica_of_its_own_shards(saved_on_two_hosts):
+def test_each_process_packs_each_shard_once_and_the_replicated_ones_spread(saved_on_two_hosts):
     packed = saved_on_two_hosts / "5" / "packed"
     index = [json.loads((packed / f"{p}-of-2.json").read_text()) for p in (0, 1)]
     w = [doc["leaves"]["state"]["w"]["pieces"] for doc in index]
     assert len(w[0]) == len(w[1]) == 4  # w on a (4, 2) mesh: 4 of its 8 shards each
-    assert not {str(b) for _, b in w[0]} & {str(b) for _, b in w[1]}  # none written twice
-    assert "step" in index[0]["leaves"]["state"] and "step" not in index[1]["leaves"]["state"]
+    pieces = [
+        {(n, str(b)) for n, e in doc["leaves"]["state"].items() for _, b, _ in e["pieces"]}
+        for doc in index
+    ]
+    assert not pieces[0] & pieces[1]  # no shard written twice
+    # b (replicated over the processes) and step (a NumPy leaf) are not all process 0's
+    assert {n for n, _ in pieces[1]} - {"w"}, pieces
     for doc, p in zip(index, (0, 1), strict=True):
         assert (packed / f"{p}-of-2.bin").stat().st_size == doc["bytes"]
 

@@ -3,6 +3,8 @@
 than somewhere deep in a save. The text of JAX's coordination-service errors that
 `missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
 
+import json
+
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -114,3 +116,27 @@ def test_jaxs_distributed_state_names_the_coordinator():
         "_internals.coordinator_route"
     )
     assert _internals.coordinator_route() == "127.0.0.1"  # no coordinator in this process
+
+
+def _chunk_codecs(item_dir):
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
+    zarr = json.loads(kv["w/zarr.json"])
+    (shard,) = [c for c in zarr["codecs"] if c["name"] == "sharding_indexed"]
+    return [c["name"] for c in shard["configuration"]["codecs"]]
+
+
+def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
+    # jaxckpt's arrays carry a CRC-32C per chunk, which a restore relies on to read each
+    # byte once (_integrity); plain Orbax's saves in the same process stay as Orbax made them.
+    w = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)  # 2 MiB: an Orbax array
+    with jaxckpt.CheckpointManager(tmp_path / "ours") as m:
+        m.save(1, state={"w": w})
+    assert _chunk_codecs(tmp_path / "ours" / "1" / "state")[-1] == "crc32c", (
+        "Orbax no longer builds its array specs in tensorstore_utils.build_array_write_spec "
+        "(or its zarr3 codecs moved): update _internals.checksummed"
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as plain:
+        plain.save(tmp_path / "plain", args=ocp.args.PyTreeSave({"w": w}))
+    assert "crc32c" not in _chunk_codecs(tmp_path / "plain")

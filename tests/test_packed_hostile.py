@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+import xxhash
 
 import jaxckpt
 from jaxckpt import _integrity, errors
@@ -60,8 +61,10 @@ def _inflate(step_dir, shape, pieces, *, size=None, rehash=True):
     index_path = step_dir / "packed" / "0-of-1.json"
     index = json.loads(index_path.read_text())
     entry = index["leaves"]["state"]["small"]
-    ((offset, _),) = entry["pieces"]
-    entry.update(shape=list(shape), pieces=pieces(offset))
+    ((offset, _, digest),) = entry["pieces"]
+    # each piece with a digest (format 2): the claims are refused before any piece is read
+    claimed = [p if len(p) == 3 else [*p, digest] for p in pieces(offset)]
+    entry.update(shape=list(shape), pieces=claimed)
     if size is not None:
         index["bytes"] = size(offset)
     index_path.write_text(json.dumps(index))
@@ -177,13 +180,13 @@ def test_a_grid_of_pieces_as_a_multi_process_save_writes_them_restores_bitwise(c
     whole = _state(2)["small"].reshape(64, 128)
     blob = (ckpt / "2/packed/0-of-1.bin").read_bytes()
     index = json.loads((ckpt / "2/packed/0-of-1.json").read_text())
-    ((at, _),) = index["leaves"]["state"]["small"]["pieces"]
+    ((at, _, _),) = index["leaves"]["state"]["small"]["pieces"]
     cells = [(r, c) for r in range(4) for c in range(2)][::-1]
     pieces, chunks, offset = [], [], at
     for r, c in cells:
         box = [[16 * r, 16 * (r + 1)], [64 * c, 64 * (c + 1)]]
-        pieces.append([offset, box])
         chunks.append(whole[16 * r : 16 * (r + 1), 64 * c : 64 * (c + 1)].tobytes())
+        pieces.append([offset, box, xxhash.xxh3_64_hexdigest(chunks[-1])])
         offset += len(chunks[-1])
     (ckpt / "2/packed/0-of-1.bin").write_bytes(blob[:at] + b"".join(chunks) + blob[offset:])
     _inflate(ckpt / "2", [64, 128], lambda _: pieces)
