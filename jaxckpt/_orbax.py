@@ -175,6 +175,7 @@ class OrbaxStore:
         )
         if not read_only:
             _internals.checksummed(self.directory)
+        self._arrays = arrays
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
         options = ocp.CheckpointManagerOptions(
@@ -407,7 +408,18 @@ class OrbaxStore:
     def _read_packed(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
-        """The packed leaves `requests` names, each process's index read once a step."""
+        """The packed leaves `requests` names."""
+        return _transfer.read_packed(
+            self.packed_step(info, item),
+            info,
+            item,
+            requests,
+            self._restore_inflight_bytes,
+            self.directory,
+        )
+
+    def packed_step(self, info: _layout.StepInfo, item: str) -> _packed.PackedStep:
+        """The step's packed leaves, each process's index read once a step."""
         key = (info.folder(self.directory), info.saved_at)
         with (
             _transfer.read_errors(info.step, item, self.directory),
@@ -419,9 +431,7 @@ class OrbaxStore:
                 self._packed[key] = _packed.PackedStep(
                     key[0] / _layout.PACKED, info.process_count or 1, opener=self.open_file
                 )
-        return _transfer.read_packed(
-            self._packed[key], info, item, requests, self._restore_inflight_bytes, self.directory
-        )
+        return self._packed[key]
 
     def open_file(self, folder: epath.Path, name: str) -> Any:
         """Opens a file of a step's packed leaves to read (`_storage.open_inside`)."""
@@ -434,7 +444,10 @@ class OrbaxStore:
             # read only the requested leaves, never the rest of the step
             partial_restore=True,
         )
-        return self._mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+        # Through the item's handler, not the manager: Orbax's restore ends in a barrier
+        # made of device collectives, which a process whose read failed never reaches,
+        # while the others would pair theirs with its next collective (`_spread`).
+        return self._arrays.restore(self.step_dir(step) / item, args=args)
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the

@@ -126,11 +126,9 @@ _PIECE_PLANS: dict[tuple, tuple[dict[Bounds, int], list[tuple[Bounds, int, tuple
 def _piece_plan(value: jax.Array, local: bool, loads: list[int]) -> list[tuple[int, Bounds]]:
     """Which of the array's addressable shards this process writes, by position, with the
     bounds of each: with `local` (its part alone holds all it needs) the first it holds of
-    each distinct shard; otherwise those it is the writer of: of the processes holding a
-    distinct shard, the one with the fewest bytes in `loads` (the bytes each process
-    writes, counted alike by every process, leaf after leaf; updated here). What each
-    process holds is cached per sharding and shape, as training states repeat a few of
-    them over thousands of leaves."""
+    each distinct shard; otherwise those it is the `_writer` of among their holders (`loads`:
+    the bytes each process writes, counted alike by all). Who holds what is cached per
+    sharding and shape: training states repeat a few over thousands of leaves."""
     key = (value.sharding, value.shape)
     found = _PIECE_PLANS.get(key)
     if found is None:
@@ -152,13 +150,8 @@ def _piece_plan(value: jax.Array, local: bool, loads: list[int]) -> list[tuple[i
     mine, shards = found
     if local or value.is_fully_addressable:
         return [(i, bounds) for bounds, i in mine.items()]
-    me, plan = jax.process_index(), []
-    for bounds, nbytes, holding in shards:
-        writer = min(holding, key=lambda p: (loads[p], p))
-        loads[writer] += nbytes
-        if writer == me:
-            plan.append((mine[bounds], bounds))
-    return plan
+    me = jax.process_index()
+    return [(mine[b], b) for b, nbytes, holding in shards if _writer(loads, nbytes, holding) == me]
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -220,10 +213,10 @@ def to_host(
     return HostPieces(leaves, chunks, offset)
 
 
-def _writer(loads: list[int], nbytes: int) -> int:
-    """Of all processes, the one with the fewest bytes in `loads` (then the first), which
-    writes `nbytes` more (`loads` updated)."""
-    writer = min(range(len(loads)), key=lambda p: (loads[p], p))
+def _writer(loads: list[int], nbytes: int, among: Iterable[int] | None = None) -> int:
+    """Of the processes `among` (None: all), the one with the fewest bytes in `loads` (then
+    the first), which writes `nbytes` more (`loads` updated)."""
+    writer = min(range(len(loads)) if among is None else among, key=lambda p: (loads[p], p))
     loads[writer] += nbytes
     return writer
 
@@ -246,27 +239,20 @@ def write(folder: epath.Path, pieces: HostPieces) -> None:
 
 def _write(folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]) -> None:
     """One file of `chunks`, the digest of each appended to `digests` as it is written."""
-    if is_remote(folder):  # an object appears once closed: never a part of one
-        f = (folder / name).open("wb")
-        try:
-            for chunk in chunks:
-                f.write(_digested(chunk, digests))
-        except BaseException:
-            getattr(f, "discard", f.close)()
-            raise
-        f.close()
-        return
-    with open(folder / name, "wb", buffering=_WRITE_BUFFER) as f:
+    remote = is_remote(folder)  # an object appears once closed: never a part of one
+    f = (folder / name).open("wb") if remote else open(folder / name, "wb", _WRITE_BUFFER)  # noqa: SIM115
+    try:
         for chunk in chunks:
-            f.write(_digested(chunk, digests))
-        f.flush()
-        os.fsync(f.fileno())  # as durable as tensorstore's own files
-
-
-def _digested(chunk: Any, digests: list[str]) -> Any:
-    data = _bytes(chunk)
-    digests.append(xxhash.xxh3_64_hexdigest(data))  # releases the GIL, as writing does
-    return data
+            data = _bytes(chunk)
+            digests.append(xxhash.xxh3_64_hexdigest(data))  # releases the GIL, as writing does
+            f.write(data)
+        if not remote:
+            f.flush()
+            os.fsync(f.fileno())  # as durable as tensorstore's own files
+    except BaseException:
+        getattr(f, "discard", f.close)()  # an object: never written
+        raise
+    f.close()
 
 
 _WRITE_BUFFER = 8 * 2**20  # small pieces are gathered into writes of this size
@@ -280,7 +266,7 @@ def _bytes(chunk: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
+class Piece:
     process: int
     offset: int
     bounds: tuple[tuple[int, int], ...]
@@ -310,7 +296,7 @@ class PackedStep:
         self._partial = parts is not None
         self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
         self._sized: set[int] = set()  # the processes whose file was found that long
-        self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[_Piece]]]] = {}
+        self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[Piece]]]] = {}
         present = {p.name for p in folder.iterdir()} if folder.exists() else set()
         indexed = False
         for p in range(processes) if parts is None else parts:
@@ -360,8 +346,15 @@ class PackedStep:
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
         devices need part of it, with that part filled (the rest is never to be read)."""
-        wanted = self._wanted(item, requests)
-        blobs = self._read_pieces([p for ps in wanted.values() for p in ps])
+        wanted = self.wanted(item, requests)
+        return self.assemble(
+            item, wanted, self.read_pieces(p for ps in wanted.values() for p in ps)
+        )
+
+    def assemble(
+        self, item: str, wanted: Mapping[str, list[Piece]], blobs: Mapping[Piece, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The leaves `wanted` names, on the host, from the bytes of their pieces."""
         hosts = {}
         for name, pieces in wanted.items():
             dtype, shape, _ = self._leaves[item][name]
@@ -371,15 +364,15 @@ class PackedStep:
     def holds(self, item: str, requests: Mapping[str, ReadRequest]) -> str | None:
         """Why these files cannot serve `requests` (None: they can), reading no leaf."""
         try:
-            self._wanted(item, requests)
+            self.wanted(item, requests)
         except (ValueError, OSError) as e:
             return str(e)
         return None
 
-    def _wanted(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, list[_Piece]]:
+    def wanted(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, list[Piece]]:
         """The pieces to read for each requested leaf; ValueError if they cannot fill it."""
         leaves = self._leaves.get(item, {})
-        wanted: dict[str, list[_Piece]] = {}
+        wanted: dict[str, list[Piece]] = {}
         files: set[int] = set()
         for name, request in requests.items():
             if name not in leaves:
@@ -419,16 +412,16 @@ class PackedStep:
                 )
             self._sized.add(process)
 
-    def _read_pieces(self, pieces: Iterable[_Piece]) -> dict[_Piece, np.ndarray]:
+    def read_pieces(self, pieces: Iterable[Piece]) -> dict[Piece, np.ndarray]:
         """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
         less than _MERGE_GAP apart in one process's file is one read."""
-        by_process: dict[int, list[_Piece]] = {}
+        by_process: dict[int, list[Piece]] = {}
         for p in pieces:
             by_process.setdefault(p.process, []).append(p)
-        out: dict[_Piece, np.ndarray] = {}
+        out: dict[Piece, np.ndarray] = {}
         for process, found in by_process.items():
             found.sort(key=lambda p: p.offset)
-            runs: list[list[_Piece]] = [[found[0]]]
+            runs: list[list[Piece]] = [[found[0]]]
             wanted = found[0].nbytes  # of the last run
             for p in found[1:]:
                 run_start, last = runs[-1][0].offset, runs[-1][-1]
@@ -492,7 +485,7 @@ def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tup
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
         if offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        out.append(_Piece(process, offset, bounds, nbytes, digest))
+        out.append(Piece(process, offset, bounds, nbytes, digest))
     return dtype, shape, out
 
 
@@ -528,7 +521,7 @@ def _dtype(name: str) -> np.dtype | None:
         return None
 
 
-def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Piece]) -> None:
+def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[Piece]) -> None:
     """The pieces of a leaf must hold each of its elements once: none missing (a process's
     files lost), none twice (an index that is not what jaxckpt writes). Checked on their
     bounds alone, never with an array of the leaf's shape (an index may claim any): the
@@ -559,7 +552,7 @@ def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[_Pi
         )
 
 
-def _check_held(item: str, name: str, pieces: list[_Piece], regions: list) -> None:
+def _check_held(item: str, name: str, pieces: list[Piece], regions: list) -> None:
     """Each region this process's devices need must lie within one piece of the parts
     there (a part holds its process's shards whole: on the same mesh each region is one)."""
     for region in regions:
@@ -583,7 +576,7 @@ def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:
     return list({_bounds(i, shape) for i in indices})  # type: ignore[arg-type]
 
 
-def _overlaps(piece: _Piece, regions: list) -> bool:
+def _overlaps(piece: Piece, regions: list) -> bool:
     return any(
         all(a < d and c < b for (a, b), (c, d) in zip(piece.bounds, r, strict=True))
         for r in regions
@@ -591,7 +584,7 @@ def _overlaps(piece: _Piece, regions: list) -> bool:
 
 
 def _assemble(
-    dtype: np.dtype, shape: tuple[int, ...], pieces: list[_Piece], blobs: Mapping
+    dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece], blobs: Mapping
 ) -> np.ndarray:
     """The leaf on the host from its pieces (where a process needs part of a leaf, only
     that part is filled: the rest is never placed)."""

@@ -17,7 +17,8 @@ A restore goes down, and never back up (the docs' architecture page states it so
                                      is decoded; a failed read hashes the whole step)
         read_trees                   the trees: per item, `_match.plan_restore` (the target
                                      against the leaf specs), `store.read_arrays` (Orbax
-                                     arrays and packed leaves, `_transfer`), rebuilt
+                                     arrays and packed leaves, `_transfer`; several
+                                     processes: each byte read once, `_spread`), rebuilt
         _iterators.restore           the data iterator moved, last
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -35,7 +37,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps
+from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps, _spread
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
 from jaxckpt._tree import ReadRequest, check_step, gc_paused
@@ -340,13 +342,10 @@ class Checkpoint:
     def _read_step(self, step: int, wanted: Wanted) -> Restored:
         """Restores a step; verified, only if its files match the manifest.
 
-        Each byte is read once: the arrays' chunks and the packed pieces are checked as
-        they are read (`_integrity`), and only the files a read does not check itself are
-        hashed. One process hashes those in a worker thread while it reads the arrays, and
-        returns nothing (moves no data iterator) unless they match. Several processes first
-        agree on the verdict of a share each (a collective), then read, and agree again
-        on the read (a collective): a read that failed anywhere has the whole step hashed,
-        a share each, so every process names the damaged file and falls back alike. A step
+        Each byte is read once, checked as it is read (`_integrity`); only the files a read
+        does not check itself are hashed: by one process in a worker thread while it reads
+        (it returns nothing, moves no data iterator, unless they match); by several a share
+        each, agreed, before they read (`_spread`), then the read agreed (`_agreed`). A step
         plain Orbax wrote has no manifest: it is read as is.
         """
         data = wanted.data
@@ -362,18 +361,17 @@ class Checkpoint:
             self.directory, step, self.folder(step), verify=verify and not several, unread=True
         ):
             info = info or self.info(step, wanted.item)
-            restored = self._agreed(
-                step, verify and several, lambda: read_trees(info, wanted, self._store)
-            )
+            budget = self._restore_inflight_bytes
+            read = functools.partial(read_trees, info, wanted, self._store, budget)
+            restored = self._agreed(step, verify and several, read)
         if data is not None:  # last: after everything else was read (and verified)
             _iterators.restore(data, info, self.directory)
             restored = dataclasses.replace(restored, data=data)
         return restored
 
     def _agreed(self, step: int, verify: bool, read: Callable[[], Restored]) -> Restored:
-        """`read()`, in a multi-process job agreed by all (a collective): if it failed on any
-        process in a way a damaged file explains, the whole step is hashed, a share each,
-        and every process raises the same CorruptCheckpointError if a file does not match."""
+        """`read()`, agreed by all processes (a collective): if it failed anywhere as a
+        damaged file explains, the whole step is hashed, a share each (each names it)."""
         if not verify:
             return read()
         try:
@@ -556,8 +554,11 @@ def plan_item(
     )
 
 
-def read_trees(info: _layout.StepInfo, wanted: Wanted, store: Store) -> Restored:
-    """The step's trees, read from `store` onto the target (no data iterator moved)."""
+def read_trees(
+    info: _layout.StepInfo, wanted: Wanted, store: Store, spread: int | None = None
+) -> Restored:
+    """The step's trees, read from `store` onto the target (no data iterator moved);
+    `spread`: each byte read once in the job, in batches of at most as many (`_spread`)."""
     step, rng = info.step, wanted.rng
     kinds = info.rng_node_types
     if rng is None and info.rng and kinds:  # before any array is read
@@ -581,7 +582,10 @@ def read_trees(info: _layout.StepInfo, wanted: Wanted, store: Store) -> Restored
     trees = {}
     for item, target, home, partial in items(info, wanted):
         requests, rebuild = plan_item(info, item, target, home, partial)
-        trees[item] = rebuild(store.read_arrays(info, item, requests))
+        if spread is None or not isinstance(store, _orbax.OrbaxStore):
+            trees[item] = rebuild(store.read_arrays(info, item, requests))
+        else:
+            trees[item] = rebuild(_spread.read_arrays(store, info, item, requests, spread))
     return Restored(
         step=step, state=trees[_layout.STATE], rng=trees.get(_layout.RNG), meta=info.meta, data=None
     )

@@ -292,6 +292,7 @@ CHAIN_MODULES = (
     "jaxckpt._local",
     "jaxckpt._layout",
     "jaxckpt._transfer",
+    "jaxckpt._spread",
     "jaxckpt._iterators",
 )
 
@@ -313,7 +314,7 @@ def test_the_restore_chain_names_what_the_code_has():
     assert len(chain) >= 15, chain
     for name in chain:
         first, *rest = name.split(".")
-        if first in ("_iterators", "_transfer"):  # named by their module
+        if first in ("_iterators", "_transfer", "_spread"):  # named by their module
             obj = importlib.import_module(f"jaxckpt.{first}")
         else:
             owners = [m for m in modules if hasattr(m, first)]

@@ -1,0 +1,98 @@
+"""The jobs of tests/test_spread.py (run by children.job in every process): a state saved
+and restored by every process of the job, its bytes read from storage counted."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from children.job import Job
+
+
+def io(field: str) -> int:
+    """This process's bytes through read(2) ("rchar", which the job's collectives, receiving
+    with recv(2), do not add to) or write(2) ("wchar")."""
+    text = Path("/proc/self/io").read_text()
+    return int(next(line for line in text.splitlines() if line.startswith(field)).split()[1])
+
+
+def layout(job: Job):
+    """The job's mesh and spec: replicated on every device, data x model (replicated over
+    the processes, sharded within each), or fully sharded (FSDP)."""
+    devices = np.array(jax.devices())
+    name = job.args["layout"]
+    if name == "mixed":
+        return Mesh(devices.reshape(job.num_processes, -1), ("data", "model")), P(None, "model")
+    return Mesh(devices, ("data",)), P() if name == "replicated" else P("data")
+
+
+def values(step: int) -> dict[str, np.ndarray]:
+    """2 MiB in an Orbax array, 1 MiB in 16 packed leaves, and a NumPy leaf: the same on
+    every process, other at each step."""
+    rng = np.random.default_rng(step)
+    out = {"w": rng.standard_normal((512, 1024)).astype(np.float32)}
+    out |= {f"s{i:02d}": rng.standard_normal((64, 256)).astype(np.float32) for i in range(16)}
+    return out
+
+
+def restore_counted(job: Job) -> dict:
+    """Steps 1 and 2 saved (counting what this process wrote of step 2), then step 2 (or with
+    "corrupt", after process 0 flipped a byte of its largest file of `corrupt`: state/ or
+    packed/, the latest that verifies) restored in a new manager onto the same layout,
+    counting what this process read."""
+    mesh, spec = layout(job)
+    sharding = NamedSharding(mesh, spec)
+
+    def on_mesh(hosts):
+        return {
+            k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
+            for k, v in hosts.items()
+        }
+
+    directory = Path(job.args["dir"])
+    report = {}
+    with jaxckpt.CheckpointManager(directory) as m:
+        for step in (1, 2):
+            state = on_mesh(values(step)) | {"n": np.int64(step)}
+            before = io("wchar")
+            m.save(step, state=state)
+            m.wait()
+            report["wrote"] = io("wchar") - before
+    if where := job.args.get("corrupt"):
+        if job.process_id == 0:
+            files = [p for p in (directory / "2" / where).rglob("*") if p.is_file()]
+            victim = max(files, key=lambda p: p.stat().st_size)
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            victim.write_bytes(bytes(data))
+            report["victim"] = str(victim.relative_to(directory / "2"))
+        multihost_utils.sync_global_devices("corrupted")
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values(0).items()
+    } | {"n": np.int64(0)}
+    with jaxckpt.CheckpointManager(directory) as m:
+        if where:
+            try:
+                m.restore(2, state=target)
+                report["error"] = None
+            except jaxckpt.errors.CorruptCheckpointError as e:
+                report["error"] = str(e)
+        before = io("rchar")
+        restored = m.restore(state=target, fallback=bool(where))
+        report["read"] = io("rchar") - before
+    expected = values(restored.step)
+    report["step"] = restored.step
+    report["bitwise"] = (
+        all(
+            np.array_equal(np.asarray(shard.data), expected[k][shard.index])
+            for k in expected
+            for shard in restored.state[k].addressable_shards
+        )
+        and int(restored.state["n"]) == restored.step
+    )
+    report["state_bytes"] = sum(v.nbytes for v in expected.values())
+    return report

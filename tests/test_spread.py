@@ -1,0 +1,46 @@
+"""Storage traffic that does not grow with the replicas, counted on real processes
+(jax.distributed, gloo, 127.0.0.1, 2 CPU devices each): every process's bytes through
+read(2) around a verified restore (`jaxckpt._spread`), summed over the job, and through
+write(2) around a save, against the state's bytes; what was restored compared bitwise; a
+damaged file still caught by the process that read it, every process falling back alike."""
+
+import pytest
+from children import spread
+from multihost import run_job
+
+
+def _run(tmp_path, processes, **args):
+    results = run_job(
+        spread.restore_counted,
+        processes=processes,
+        devices=2,
+        args={"dir": str(tmp_path)} | args,
+        timeout=300,
+    )
+    return [r.report() for r in results]
+
+
+@pytest.mark.parametrize(
+    "layout, processes",
+    [("replicated", 2), ("replicated", 4), ("mixed", 2), ("mixed", 4), ("fsdp", 2)],
+)
+def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(tmp_path, layout, processes):
+    reports = _run(tmp_path, processes, layout=layout)
+    assert all(r["bitwise"] and r["step"] == 2 for r in reports), reports
+    size = reports[0]["state_bytes"]
+    total = sum(r["read"] for r in reports)
+    assert size <= total <= 1.1 * size, [r["read"] / size for r in reports]
+    # the busiest process writes about its share, whichever layout (replicas write parts)
+    wrote = [r["wrote"] / size for r in reports]
+    assert max(wrote) <= 1.25 / processes and sum(wrote) >= 1.0, wrote
+
+
+@pytest.mark.parametrize("where", ["state", "packed"])
+def test_a_damaged_file_is_caught_and_every_process_falls_back(tmp_path, where):
+    reports = _run(tmp_path, 2, layout="replicated", corrupt=where)
+    victim = reports[0]["victim"]
+    # the process that read the damaged part names the file; the others name that process
+    assert any(f"{victim}: contents changed" in r["error"] for r in reports), reports
+    for r in reports:
+        assert "step 2" in r["error"] and "is corrupt" in r["error"], r
+        assert r["step"] == 1 and r["bitwise"], r
