@@ -2,7 +2,7 @@
 
 BENCHMARKS.md, RELIABILITY.md and CHANGELOG.md are regenerated or edited at the repository's
 root (`make bench`, `python -m reliability.stress`, each change), and link to the result files
-beside them (`benchmarks/results/*.md`, `leaf_sweep.png`). Each is added to the site at its
+beside them (`benchmarks/results/*.md`, `leaf_sweep.png`, `scale.png`). Each is added to the site at its
 path in the repository, so the docs link to them (`[BENCHMARKS.md](BENCHMARKS.md)` from a page
 at the docs' top level) and their own links resolve as they do on GitHub, checked by the
 strict build like every other link.
@@ -19,6 +19,7 @@ REPORTS = (
     "RELIABILITY.md",
     "CHANGELOG.md",
     "leaf_sweep.png",
+    "scale.png",
     "benchmarks/results/*.md",
 )
 
