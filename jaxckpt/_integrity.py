@@ -245,7 +245,7 @@ def verified_while_reading(
     CorruptCheckpointError unless they match the manifest (waiting for the hashing); it also
     runs when the body leaves, and first when it fails: corruption explains a failed read.
     `unread`: the body reads every array it needs, so only the files a read does not check
-    itself are hashed (`verify_step`), and a read that fails (`explain`) has them all
+    itself are hashed (`verify_step`), and a read that fails (`explains`) has them all
     hashed. `folder`: the step's folder (`OrbaxStore.step_dir`; a step Orbax wrote may be
     named otherwise than `<directory>/<step>`)."""
     if problems := unsafe_entries(folder):

@@ -313,8 +313,9 @@ class OrbaxStore:
         3. Once every item is written on every process (Orbax's post-finalization
            callback, `before_commit`), process 0 writes the manifest of every file
            (`_integrity.write_manifest`: the data files, whose chunks and pieces carry
-           checksums of their own, listed as checked by a read), then asks the lock again, of the server itself
-           for a lease: a writer that lost it raises there and the step never commits.
+           checksums of their own, listed as checked by a read), then asks the lock
+           again, of the server itself for a lease: a writer that lost it raises there
+           and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.
         A failure at 2-4 is raised by `wait` (as the background error it is).

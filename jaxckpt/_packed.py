@@ -8,8 +8,8 @@ written, with every other small leaf this process holds, into one file of bytes:
     <step>/packed/<i>-of-<n>.bin     process i's pieces, back to back
     <step>/packed/<i>-of-<n>.json    their index: {"format": 2, "bytes": size, "leaves":
                                      {item: {name: {"dtype": ..., "shape": [...],
-                                      "pieces": [[offset, [[start, stop], ...], xxh3]
-                                      , ...]}}}}
+                                      "pieces": [[offset, [[start, stop], ...], xxh3],
+                                                 ...]}}}}
 
 Each piece carries the XXH3-64 of its bytes (hex), computed as it is written and checked as
 it is read, so that a restore reads each byte once (format 1, before it: no digests).
