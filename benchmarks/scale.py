@@ -70,6 +70,8 @@ def summary(job: dict) -> dict:
     return {
         "restore_reads": sum(p["restore"]["rchar"] for p in ps) / size,
         "restore_reads_max": max(p["restore"]["rchar"] for p in ps) / size,
+        # a restore writes no file: what it writes goes to the collectives' sockets
+        "restore_sent_max": max(p["restore"]["wchar"] for p in ps) / size,
         "save_writes": sum(writes) / size,
         "busiest_writer": max(writes) / size,
         "save_reads": sum(p["save"]["rchar"] for p in ps) / size,
@@ -124,9 +126,11 @@ def write(results: dict, args) -> None:
                 contender,
                 f"{s['restore_reads']:.2f}x",
                 f"{s['restore_reads_max']:.2f}x",
+                f"{s['restore_sent_max']:.2f}x",
                 f"{s['busiest_writer']:.2f}x ({s['busiest_writer'] * n:.2f}/N)",
                 f"{s['save_writes']:.2f}x",
                 f"{s['save_reads']:.2f}x ({s['save_reads_p0']:.2f}x p0)",
+                f"{s['read_calls']:,} / {s['write_calls']:,}",
                 f"{s['files']} ({s['meta_files']} metadata, {s['meta_bytes'] / 1024:.0f} KiB)",
                 "yes" if s["bitwise"] else "**no**",
                 f"{s['save_s']:.2f} / {s['restore_s']:.2f}",
@@ -138,9 +142,11 @@ def write(results: dict, args) -> None:
         "contender",
         "restore reads, all",
         "busiest reader",
+        "restore: busiest sender over the collectives",
         "busiest writer",
         "save writes, all",
         "save reads, all",
+        "read(2) calls of the restore / write(2) calls of the save, all",
         "files per step",
         "bitwise",
         "save / restore s",
@@ -204,6 +210,13 @@ def model(results: dict) -> list[str]:
             "O(state / N): each replicated shard written by one holder, in slices",
             f"{biggest['busiest_writer'] * points[-1][0]:.2f}/N at N = {points[-1][0]}",
             "yes",
+        ],
+        [
+            "bytes a process sends over the collectives at a restore",
+            "O(state held): an all-gather brings each process the (N-1)/N of its replicated"
+            " bytes that others read; the network carries what storage no longer does",
+            f"{biggest['restore_sent_max']:.2f}x of the state at N = {points[-1][0]}",
+            "yes: ICI/DCN, within the restore budget per batch",
         ],
         [
             "collectives of a restore",
