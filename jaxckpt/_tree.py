@@ -295,8 +295,9 @@ def _encode(
             array, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
         if jax.process_count() > 1 and array.is_fully_addressable:
             # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
-            # refuses in a multi-process job: it is saved like a NumPy array, from process 0,
-            # and restored onto the target's sharding.
+            # refuses in a multi-process job: it is saved like a NumPy array, by one process
+            # (`_packed`: the least loaded; Orbax: process 0), restored onto the target's
+            # sharding.
             return np.asarray(array), spec
         return array, spec
     if is_python_scalar(leaf):
