@@ -35,9 +35,10 @@ def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(tmp_path, layo
     assert max(wrote) <= 1.25 / processes and sum(wrote) >= 1.0, wrote
 
 
+@pytest.mark.parametrize("processes", [2, 4])
 @pytest.mark.parametrize("where", ["state", "packed"])
-def test_a_damaged_file_is_caught_and_every_process_falls_back(tmp_path, where):
-    reports = _run(tmp_path, 2, layout="replicated", corrupt=where)
+def test_a_damaged_file_is_caught_and_every_process_falls_back(tmp_path, where, processes):
+    reports = _run(tmp_path, processes, layout="replicated", corrupt=where)
     victim = reports[0]["victim"]
     # the process that read the damaged part names the file; the others name that process
     assert any(f"{victim}: contents changed" in r["error"] for r in reports), reports
