@@ -2,52 +2,36 @@
 process of the job): saves and restores one state, counting its own I/O.
 
 `job.args`: {"contender": "jaxckpt" | "orbax", "layout": "replicated" | "fsdp" | "mixed",
-"mib": ..., "directory": ...}. Returns this process's bytes read and written and its read and write calls (`/proc/self/io`: rchar, wchar, syscr, syscw, which
-count every byte a process passes through read(2)/write(2), page cache or not) around
-`save` + `wait`, and around a restore in a new manager onto the same mesh, and whether what
-was restored is bitwise what was saved.
+"mib": ..., "directory": ...}; the layouts and the counters are tests/children/spread.py's
+(the spread tests' own). Returns this process's bytes read and written and its read and
+write calls (`/proc/self/io`) around `save` + `wait`, and around a restore in a new manager
+onto the same mesh, and whether what was restored is bitwise what was saved.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 DEVICES = 2  # CPU devices per process
 
 
-def io_counts() -> dict[str, int]:
-    """This process's counters in /proc/self/io."""
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return {k: int(fields[k]) for k in ("rchar", "wchar", "syscr", "syscw")}
-
-
-def counted(fn):
-    before = io_counts()
-    start = time.perf_counter()
-    fn()
-    took = time.perf_counter() - start
-    after = io_counts()
-    return {k: after[k] - before[k] for k in before} | {"seconds": took}
-
-
 def measure(job: Any) -> dict:
-    processes, spec = job.num_processes, job.args
+    spec = job.args
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from children.spread import io_counts, layout
+    from jax.sharding import NamedSharding
 
-    layout = spec["layout"]
-    devices = np.array(jax.devices())
-    if layout == "mixed":  # model parallel inside a host, data parallel across hosts
-        mesh = Mesh(devices.reshape(processes, DEVICES), ("data", "model"))
-        pspec = P(None, "model")
-    else:
-        mesh = Mesh(devices, ("data",))
-        pspec = P() if layout == "replicated" else P("data")
-    sharding = NamedSharding(mesh, pspec)
+    def counted(fn):
+        before = io_counts()
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        after = io_counts()
+        return {k: after[k] - before[k] for k in before} | {"seconds": took}
+
+    sharding = NamedSharding(*layout(job.num_processes, spec["layout"]))
     # 3/4 of the bytes in 8 MiB leaves (Orbax arrays), 1/4 in 1 MiB ones (packed):
     # incompressible, the same on every process.
     mib = spec["mib"]

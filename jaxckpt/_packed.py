@@ -11,16 +11,13 @@ written, with every other small leaf this process holds, into one file of bytes:
                                       "pieces": [[offset, [[start, stop], ...], xxh3],
                                                  ...]}}}}
 
-Each piece carries the XXH3-64 of its bytes (hex), computed as it is written and checked as
-it is read, so that a restore reads each byte once (format 1, before it: no digests).
-
-A piece is one distinct shard of a leaf, written once in the job by one of the processes
-holding it (the one that has written the fewest bytes so far: every process computes the
-same choice from the global sharding, so a replicated state is written ~1/N by each of N
-processes), or the whole leaf where this process holds all of it. A reader takes the pieces that
-overlap what its devices need, from any process's file: a step restores onto any mesh and
-process count, as Orbax's arrays do. Files are written in the save's background, inside
-the step's temporary folder, so Orbax's commit and jaxckpt's manifest cover them.
+A piece is one distinct shard of a leaf, written once in the job by the least-loaded of the
+processes holding it (all choose alike: N replicas write ~1/N each), or the whole leaf
+where this process holds all of it; with the XXH3-64 of its bytes, checked as it is read
+(format 1: none). A reader takes the pieces that overlap what its devices need, from any
+process's file: a step restores onto any mesh and process count, as Orbax's arrays do.
+Files are written in the save's background, inside the step's temporary folder, so Orbax's
+commit and jaxckpt's manifest cover them.
 
 A reader trusts no claim of an index until it is checked against the index itself and the
 files' real sizes, before it allocates or reads anything of a leaf's size (an index may
@@ -40,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,12 +47,15 @@ import xxhash
 from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED
+from jaxckpt._plan import holders
 from jaxckpt._storage import is_remote, open_inside
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
 _FORMATS = (1, INDEX_FORMAT)
+_PIECE_FORMS = {1: "[offset, [[start, stop], ...]]", 2: "[offset, [[start, stop], ...], xxh3-64]"}
+_DIGEST = re.compile("[0-9a-f]{16}")  # XXH3-64, hex
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 # A restore reads packed leaves in batches of at most this many bytes (or its budget, if
 # smaller), each placed before the next is read: at most one batch's bytes wait on the host.
@@ -118,40 +119,44 @@ def _filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> 
 
 
 Bounds = tuple[tuple[int, int], ...]
-# per (sharding, shape): the first position among the addressable shards of each distinct
-# shard this process holds, and each distinct shard of the job with its bytes and holders
-_PIECE_PLANS: dict[tuple, tuple[dict[Bounds, int], list[tuple[Bounds, int, tuple[int, ...]]]]] = {}
+# per (sharding, shape): each distinct shard here (position, bounds); those only this
+# process holds; those several hold (position or None, bounds, bytes, holders); the bytes
+# of the shards each process alone holds
+_PIECE_PLANS: dict[tuple, tuple[list, list, list, np.ndarray]] = {}
 
 
-def _piece_plan(value: jax.Array, local: bool, loads: list[int]) -> list[tuple[int, Bounds]]:
+def _piece_plan(value: jax.Array, local: bool, loads: np.ndarray) -> list[tuple[int, Bounds]]:
     """Which of the array's addressable shards this process writes, by position, with the
-    bounds of each: with `local` (its part alone holds all it needs) the first it holds of
-    each distinct shard; otherwise those it is the `_writer` of among their holders (`loads`:
-    the bytes each process writes, counted alike by all). Who holds what is cached per
-    sharding and shape: training states repeat a few over thousands of leaves."""
+    bounds of each: with `local` the first it holds of each distinct shard; otherwise those
+    it alone holds, and of those several hold the ones it is the `_writer` of (`loads`: the
+    bytes each process writes, counted alike by all). Cached per sharding and shape, so
+    that a leaf costs the save's blocking path only its shards held by several."""
     key = (value.sharding, value.shape)
     found = _PIECE_PLANS.get(key)
     if found is None:
         mine: dict[Bounds, int] = {}
         for i, shard in enumerate(value.addressable_shards):
             mine.setdefault(_bounds(shard.index, value.shape), i)
-        holders: dict[Bounds, set[int]] = {}
-        for device, index in value.sharding.devices_indices_map(value.shape).items():
-            process = device.process_index  # type: ignore[attr-defined]  # (jaxlib: no stubs)
-            holders.setdefault(_bounds(index, value.shape), set()).add(process)
-        itemsize = np.dtype(value.dtype).itemsize
-        shards = [
-            (b, math.prod(hi - lo for lo, hi in b) * itemsize, tuple(sorted(p)))
-            for b, p in sorted(holders.items())
-        ]
+        me, itemsize = jax.process_index(), np.dtype(value.dtype).itemsize
+        alone, own, shared = np.zeros(len(loads), np.int64), [], list[tuple[Any, ...]]()
+        for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
+            nbytes = math.prod(b - a for a, b in bounds) * itemsize
+            if len(holding) > 1:
+                shared.append((mine.get(bounds), bounds, nbytes, np.array(holding)))
+                continue
+            alone[holding[0]] += nbytes
+            if holding[0] == me:
+                own.append((mine[bounds], bounds))
         if len(_PIECE_PLANS) > 1024:
             _PIECE_PLANS.clear()
-        found = _PIECE_PLANS[key] = (mine, shards)
-    mine, shards = found
+        everything = [(i, bounds) for bounds, i in mine.items()]
+        found = _PIECE_PLANS[key] = (everything, own, shared, alone)
+    everything, own, shared, alone = found
     if local or value.is_fully_addressable:
-        return [(i, bounds) for bounds, i in mine.items()]
+        return everything
+    loads += alone
     me = jax.process_index()
-    return [(mine[b], b) for b, nbytes, holding in shards if _writer(loads, nbytes, holding) == me]
+    return own + [(at, box) for at, box, n, among in shared if _writer(loads, n, among) == me]
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -171,9 +176,8 @@ def to_host(
     happens here (`buffers(array)`: its addressable single-device arrays, in the order of
     `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
     donates). A jax.Array this process holds whole is one piece (assembled in the
-    background); of one spread over processes, each distinct shard it is the writer of
-    (`_piece_plan`); a NumPy leaf (the same on every process) is written by the process
-    that has written the fewest bytes so far. With `local` (the local tier), every distinct
+    background); of one spread over processes, and of a NumPy leaf (the same on every
+    process), what it is the `_writer` of. With `local` (the local tier), every distinct
     shard this process holds, and every NumPy leaf."""
     if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
         for arrays in items.values():  # devices' memory is the host's: nothing to start)
@@ -183,7 +187,7 @@ def to_host(
     leaves: list[tuple] = []
     chunks: list[Any] = []
     offset = 0
-    me, loads = jax.process_index(), [0] * jax.process_count()
+    me, loads = jax.process_index(), np.zeros(jax.process_count(), np.int64)
     for item, arrays in items.items():
         for name, value in arrays.items():
             shape, dtype = value.shape, np.dtype(value.dtype)
@@ -213,10 +217,10 @@ def to_host(
     return HostPieces(leaves, chunks, offset)
 
 
-def _writer(loads: list[int], nbytes: int, among: Iterable[int] | None = None) -> int:
-    """Of the processes `among` (None: all), the one with the fewest bytes in `loads` (then
-    the first), which writes `nbytes` more (`loads` updated)."""
-    writer = min(range(len(loads)) if among is None else among, key=lambda p: (loads[p], p))
+def _writer(loads: np.ndarray, nbytes: int, among: np.ndarray | None = None) -> int:
+    """Of the processes `among` (None: all), the first with the fewest bytes in `loads`,
+    which writes `nbytes` more (counted in `loads`): every process chooses alike."""
+    writer = int(np.argmin(loads)) if among is None else int(among[np.argmin(loads[among])])
     loads[writer] += nbytes
     return writer
 
@@ -473,24 +477,19 @@ def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tup
     shape = tuple(shape)
     out = []
     for piece in pieces:
-        digest = piece.pop() if version > 1 and type(piece) is list and piece else None
+        digest = None
+        if version > 1:  # [offset, bounds, digest]: the digest apart
+            digest = piece[2] if type(piece) is list and len(piece) == 3 else None
+            piece = piece[:2] if type(digest) is str and _DIGEST.fullmatch(digest) else None
         bounds = _piece_bounds(piece, shape)
-        if bounds is None or (version > 1 and not _is_digest(digest)):
-            raise ValueError(
-                f"{where}: a piece is not [offset, [[start, stop], ...]"
-                + (", xxh3-64]" if version > 1 else "]")
-                + " within shape"
-            )
+        if bounds is None:
+            raise ValueError(f"{where}: a piece is not {_PIECE_FORMS[version]} within shape")
         offset = piece[0]
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
         if offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
         out.append(Piece(process, offset, bounds, nbytes, digest))
     return dtype, shape, out
-
-
-def _is_digest(value: Any) -> bool:
-    return type(value) is str and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:

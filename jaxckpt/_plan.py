@@ -219,6 +219,20 @@ def _sharded_bytes(
     return {p: (sum(slices.values()), held[p]) for p, slices in distinct.items()}
 
 
+@functools.lru_cache(maxsize=1024)
+def holders(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Each distinct shard of an array of `shape` on `sharding`, by its bounds ((start,
+    stop) per dimension), with the processes holding it, in order."""
+    found: dict[tuple[tuple[int, int], ...], set[int]] = {}
+    device: _Device
+    for device, index in sharding.devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        found.setdefault(bounds, set()).add(device.process_index)
+    return {b: tuple(sorted(p)) for b, p in sorted(found.items())}
+
+
 def size_text(n: float) -> str:
     """Bytes as `jaxckpt plan`, `ls` and `inspect` print them: 512 B, 1.50 KiB, ..."""
     for unit in ("B", "KiB", "MiB", "GiB"):

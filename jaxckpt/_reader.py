@@ -17,8 +17,8 @@ A restore goes down, and never back up (the docs' architecture page states it so
                                      is decoded; a failed read hashes the whole step)
         read_trees                   the trees: per item, `_match.plan_restore` (the target
                                      against the leaf specs), `store.read_arrays` (Orbax
-                                     arrays and packed leaves, `_transfer`; several
-                                     processes: each byte read once, `_spread`), rebuilt
+                                     arrays and packed leaves, `_transfer`, through
+                                     `_spread`: each byte read once in the job), rebuilt
         _iterators.restore           the data iterator moved, last
 """
 
@@ -33,13 +33,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps, _spread
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
+from jaxckpt._spread import refusing
 from jaxckpt._tree import ReadRequest, check_step, gc_paused
 from jaxckpt.errors import (
     CorruptCheckpointError,
@@ -362,7 +361,8 @@ class Checkpoint:
         ):
             info = info or self.info(step, wanted.item)
             budget = self._restore_inflight_bytes
-            read = functools.partial(read_trees, info, wanted, self._store, budget)
+            spread = functools.partial(_spread.read_arrays, self._store, budget=budget)
+            read = functools.partial(read_trees, info, wanted, spread)
             restored = self._agreed(step, verify and several, read)
         if data is not None:  # last: after everything else was read (and verified)
             _iterators.restore(data, info, self.directory)
@@ -554,11 +554,12 @@ def plan_item(
     )
 
 
-def read_trees(
-    info: _layout.StepInfo, wanted: Wanted, store: Store, spread: int | None = None
-) -> Restored:
-    """The step's trees, read from `store` onto the target (no data iterator moved);
-    `spread`: each byte read once in the job, in batches of at most as many (`_spread`)."""
+ReadArrays = Callable[[_layout.StepInfo, str, dict[str, ReadRequest]], dict[str, Any]]
+
+
+def read_trees(info: _layout.StepInfo, wanted: Wanted, read_arrays: ReadArrays) -> Restored:
+    """The step's trees, read onto the target by `read_arrays` (a store's, or `_spread`'s
+    over the persistent store), no data iterator moved."""
     step, rng = info.step, wanted.rng
     kinds = info.rng_node_types
     if rng is None and info.rng and kinds:  # before any array is read
@@ -582,19 +583,7 @@ def read_trees(
     trees = {}
     for item, target, home, partial in items(info, wanted):
         requests, rebuild = plan_item(info, item, target, home, partial)
-        if spread is None or not isinstance(store, _orbax.OrbaxStore):
-            trees[item] = rebuild(store.read_arrays(info, item, requests))
-        else:
-            trees[item] = rebuild(_spread.read_arrays(store, info, item, requests, spread))
+        trees[item] = rebuild(read_arrays(info, item, requests))
     return Restored(
         step=step, state=trees[_layout.STATE], rng=trees.get(_layout.RNG), meta=info.meta, data=None
     )
-
-
-def refusing(problem: str | None) -> list[int]:
-    """The processes that found a problem (this one's given), agreed by all (a collective
-    in a multi-process job: every process calls it in turn)."""
-    if jax.process_count() == 1:
-        return [] if problem is None else [0]
-    flags = multihost_utils.process_allgather(np.int32(problem is not None))
-    return [i for i, f in enumerate(np.ravel(flags)) if f]

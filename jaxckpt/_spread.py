@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxckpt import _orbax, _packed, _transfer
 from jaxckpt._layout import StepInfo
-from jaxckpt._plan import read_batches
+from jaxckpt._plan import holders, read_batches
 from jaxckpt._transfer import place
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import RestoreError
@@ -48,6 +48,7 @@ def read_arrays(
     info: StepInfo,
     item: str,
     requests: Mapping[str, ReadRequest],
+    *,
     budget: int,
 ) -> dict[str, Any]:
     """`store.read_arrays(info, item, requests)`, each byte read once in a multi-process
@@ -79,16 +80,25 @@ def read_arrays(
     return out
 
 
+def refusing(problem: str | None) -> list[int]:
+    """The processes that found a problem (this one's given), agreed by all (a collective
+    in a multi-process job: every process calls it in turn)."""
+    if jax.process_count() == 1:
+        return [] if problem is None else [0]
+    flags = multihost_utils.process_allgather(np.int32(problem is not None))
+    return [i for i, f in enumerate(np.ravel(flags)) if f]
+
+
 def _agreed(attempt: Callable[[], T]) -> T:
-    """`attempt()`, once every process knows whether its own succeeded (a collective)."""
+    """`attempt()`, once every process knows whether its own succeeded (`refusing`)."""
     try:
         got, failed = attempt(), None
     except Exception as e:
         got, failed = None, e
-    flags = multihost_utils.process_allgather(np.int32(failed is not None))
+    found = refusing(None if failed is None else type(failed).__name__)
     if failed is not None:
         raise failed
-    if found := [i for i, f in enumerate(np.ravel(flags)) if f]:
+    if found:
         raise RestoreError(f"the restore failed on process(es) {found} (their errors say why)")
     return got  # type: ignore[return-value]  # (None only where attempt() raised)
 
@@ -150,17 +160,7 @@ def _shared(request: ReadRequest) -> bool:
     sharding = request.sharding
     if sharding is None or sharding.is_fully_addressable:
         return False
-    return _holders(sharding, tuple(request.shape)) > 1
-
-
-@functools.lru_cache(maxsize=1024)
-def _holders(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> int:
-    """The most processes any one element of the leaf is on."""
-    holders: dict[str, set[int]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        process = device.process_index  # type: ignore[attr-defined]  # (jaxlib: no stubs)
-        holders.setdefault(str(index), set()).add(process)
-    return max((len(p) for p in holders.values()), default=0)
+    return max(len(p) for p in holders(sharding, tuple(request.shape)).values()) > 1
 
 
 def _broadcast(
@@ -173,7 +173,9 @@ def _broadcast(
     whole = {n: dataclasses.replace(r, sharding=None) for n, r in batch.items()}
     wanted = _agreed(lambda: packed.wanted(item, whole))
     pieces = [p for ps in wanted.values() for p in ps]
-    share = [[p for p in pieces if p.process % processes == i] for i in range(processes)]
+    share: list[list[_packed.Piece]] = [[] for _ in range(processes)]
+    for p in pieces:
+        share[p.process % processes].append(p)
     got = _agreed(lambda: packed.read_pieces(share[me]))
     width = max(sum(p.nbytes for p in part) for part in share)
     row = np.zeros(1 << max(width - 1, 1).bit_length(), np.uint8)  # few shapes to compile

@@ -29,8 +29,8 @@ from jaxckpt._reader import (
     items,
     plan_item,
     read_trees,
-    refusing,
 )
+from jaxckpt._spread import refusing
 from jaxckpt._tree import check_step, gc_paused
 
 log = logging.getLogger("jaxckpt")
@@ -129,7 +129,7 @@ class Tiers:
 
     def _restore_local_step(self, local: _local.LocalStore, step: int, wanted: Wanted) -> Restored:
         info = local.info(step)
-        restored = read_trees(info, wanted, local)
+        restored = read_trees(info, wanted, local.read_arrays)
         if wanted.data is not None:  # last: after everything else was read
             _iterators.restore(wanted.data, info, local.directory)
         log.info("restored step %d from the local tier (%s)", step, local.directory)

@@ -45,11 +45,18 @@ def _faulty(base: type, faults: dict[str, Callable[..., Any]]) -> type:
     return type(f"Faulty{base.__name__}", (base,), {n: method(n, f) for n, f in faults.items()})
 
 
-def largest_data_file(step_dir: Path) -> Path:
+def largest_data_file(step_dir: Path, within: tuple[str, ...] = ("state", "packed")) -> Path:
     """The step's largest file of array data: an Orbax array's, or a process's packed
-    small leaves (format 2)."""
-    files = [p for d in ("state", "packed") for p in (step_dir / d).rglob("*") if p.is_file()]
+    small leaves (format 2); `within`: of those folders of the step only."""
+    files = [p for d in within for p in (step_dir / d).rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip_middle_byte(f: Path) -> None:
+    """One bit of the file's middle byte flipped."""
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
 
 
 def truncate(d: Path) -> str:
@@ -60,9 +67,7 @@ def truncate(d: Path) -> str:
 
 def flip_byte(d: Path) -> str:
     f = largest_data_file(d / "2")
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    f.write_bytes(bytes(data))
+    flip_middle_byte(f)
     return f"{f.relative_to(d / '2')}: contents changed"
 
 

@@ -6,11 +6,12 @@ import re
 
 import numpy as np
 import pytest
+from children.spread import io_counts
 
 import jaxckpt
 from conftest import Iterator, run_python
 from jaxckpt import errors
-from reliability.faults import CORRUPTIONS, flip_byte
+from reliability.faults import CORRUPTIONS, flip_byte, flip_middle_byte, largest_data_file
 
 BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
 
@@ -80,19 +81,6 @@ def test_without_fallback_the_latest_corrupt_step_is_an_error(two_steps):
         m.restore(state={"w": np.zeros_like(BIG), "b": np.zeros(3)})
 
 
-def _bytes_read(fn):
-    """What this process passes through read(2) while `fn()` runs (/proc/self/io's rchar,
-    page cache or not), and what `fn` returned."""
-
-    def rchar():
-        with open("/proc/self/io") as f:
-            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-
-    before = rchar()
-    out = fn()
-    return rchar() - before, out
-
-
 @pytest.mark.parametrize("where", ["state", "packed"], ids=["orbax-array", "packed-leaves"])
 def test_a_verified_restore_reads_each_byte_once_and_still_names_a_damaged_file(ckpt_dir, where):
     # 8 MiB in one Orbax array, 2 MiB in small (packed) leaves: every byte checked as it is
@@ -106,15 +94,14 @@ def test_a_verified_restore_reads_each_byte_once_and_still_names_a_damaged_file(
             m.save(step, state={k: v + step for k, v in state.items()})
     target = {k: np.zeros_like(v) for k, v in state.items()}
     with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
-        read, restored = _bytes_read(lambda: m.restore(2, state=target))
+        before = io_counts()["rchar"]
+        restored = m.restore(2, state=target)
+        read = io_counts()["rchar"] - before
     assert size <= read <= 1.1 * size, read / size
     np.testing.assert_array_equal(restored.state["w"], state["w"] + 2)
 
-    files = [p for p in (ckpt_dir / "2" / where).rglob("*") if p.is_file()]
-    victim = max(files, key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    victim = largest_data_file(ckpt_dir / "2", within=(where,))
+    flip_middle_byte(victim)
     rel = re.escape(str(victim.relative_to(ckpt_dir / "2")))
     with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
         with pytest.raises(errors.CorruptCheckpointError, match=rel + ": contents changed"):

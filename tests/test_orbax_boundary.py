@@ -1,5 +1,5 @@
-"""What jaxckpt relies on beyond Orbax's public API, one test each (the fenced block of
-`jaxckpt/_orbax.py`): an Orbax or JAX upgrade that removes one fails here, by name, rather
+"""What jaxckpt relies on beyond Orbax's public API, one test each (`jaxckpt/_internals.py`,
+the one module fenced off for it): an Orbax or JAX upgrade that removes one fails here, by name, rather
 than somewhere deep in a save. The text of JAX's coordination-service errors that
 `missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
 

@@ -11,22 +11,24 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from children.job import Job
+from reliability import faults
 
 
-def io(field: str) -> int:
-    """This process's bytes through read(2) ("rchar", which the job's collectives, receiving
-    with recv(2), do not add to) or write(2) ("wchar")."""
-    text = Path("/proc/self/io").read_text()
-    return int(next(line for line in text.splitlines() if line.startswith(field)).split()[1])
+def io_counts() -> dict[str, int]:
+    """This process's counters in /proc/self/io: bytes through read(2) and write(2), page
+    cache or not (rchar, wchar; the job's collectives receive with recv(2), which rchar does
+    not count) and the calls (syscr, syscw). benchmarks/scale.py counts with it too."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {k: int(fields[k]) for k in ("rchar", "wchar", "syscr", "syscw")}
 
 
-def layout(job: Job):
-    """The job's mesh and spec: replicated on every device, data x model (replicated over
-    the processes, sharded within each), or fully sharded (FSDP)."""
+def layout(processes: int, name: str) -> tuple[Mesh, P]:
+    """The mesh of all the job's devices and the spec of a layout: "replicated" on every
+    device, "mixed" data x model (replicated over the processes, sharded within each), or
+    "fsdp" (fully sharded)."""
     devices = np.array(jax.devices())
-    name = job.args["layout"]
     if name == "mixed":
-        return Mesh(devices.reshape(job.num_processes, -1), ("data", "model")), P(None, "model")
+        return Mesh(devices.reshape(processes, -1), ("data", "model")), P(None, "model")
     return Mesh(devices, ("data",)), P() if name == "replicated" else P("data")
 
 
@@ -44,7 +46,7 @@ def restore_counted(job: Job) -> dict:
     "corrupt", after process 0 flipped a byte of its largest file of `corrupt`: state/ or
     packed/, the latest that verifies) restored in a new manager onto the same layout,
     counting what this process read."""
-    mesh, spec = layout(job)
+    mesh, spec = layout(job.num_processes, job.args["layout"])
     sharding = NamedSharding(mesh, spec)
 
     def on_mesh(hosts):
@@ -58,17 +60,14 @@ def restore_counted(job: Job) -> dict:
     with jaxckpt.CheckpointManager(directory) as m:
         for step in (1, 2):
             state = on_mesh(values(step)) | {"n": np.int64(step)}
-            before = io("wchar")
+            before = io_counts()["wchar"]
             m.save(step, state=state)
             m.wait()
-            report["wrote"] = io("wchar") - before
+            report["wrote"] = io_counts()["wchar"] - before
     if where := job.args.get("corrupt"):
         if job.process_id == 0:
-            files = [p for p in (directory / "2" / where).rglob("*") if p.is_file()]
-            victim = max(files, key=lambda p: p.stat().st_size)
-            data = bytearray(victim.read_bytes())
-            data[len(data) // 2] ^= 0x01
-            victim.write_bytes(bytes(data))
+            victim = faults.largest_data_file(directory / "2", within=(where,))
+            faults.flip_middle_byte(victim)
             report["victim"] = str(victim.relative_to(directory / "2"))
         multihost_utils.sync_global_devices("corrupted")
     target = {
@@ -82,9 +81,9 @@ def restore_counted(job: Job) -> dict:
                 report["error"] = None
             except jaxckpt.errors.CorruptCheckpointError as e:
                 report["error"] = str(e)
-        before = io("rchar")
+        before = io_counts()["rchar"]
         restored = m.restore(state=target, fallback=bool(where))
-        report["read"] = io("rchar") - before
+        report["read"] = io_counts()["rchar"] - before
     expected = values(restored.step)
     report["step"] = restored.step
     report["bitwise"] = (
