@@ -196,7 +196,7 @@ def model(results: dict) -> list[str]:
     files = [(n, v["files"]) for n, v in points]
     meta = [(n, v["meta_bytes"] / 2**10) for n, v in points]
     reads = max(v["restore_reads"] for _, v in points)
-    p0 = max(v["save_reads_p0"] for _, v in points)
+    p0 = max(v["save_reads_p0"] * n for n, v in points)
     at = (256, 1024)
     rows = [
         [
@@ -241,10 +241,12 @@ def model(results: dict) -> list[str]:
         ],
         [
             "process 0's reads at a save",
-            "O(state): it hashes every file for the manifest",
-            f"{p0:.2f}x of the state at every N",
-            "**no** at pod scale on object storage: process 0 downloads each step once"
-            " more; the next step is hashing each file where it is written",
+            "O(state / N): each process hashes the files it wrote for the manifest,"
+            " process 0 also the step's metadata",
+            f"{p0:.2f}/N at most",
+            "yes: the job reads each step once more (the files just written: the page"
+            " cache on local disk, a GET of one's own objects on object storage), 1/N"
+            " of it on each host",
         ],
     ]
     return [

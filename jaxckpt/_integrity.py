@@ -1,8 +1,9 @@
 """Integrity manifests: a checksum of every file of a step, written inside the commit.
 
 Just before Orbax renames a finished step into place (its `post_finalization_callback`,
-after every item is written on every process), process 0 hashes every file of the step with
-xxHash's XXH3-128 (python-xxhash) and writes `jaxckpt/manifest.json`. So a committed step
+after every item is written on every process), process 0 writes `jaxckpt/manifest.json`,
+the size and xxHash XXH3-128 (python-xxhash) of every file of the step: in a job of several
+processes each hashed the files it wrote (`digests`, `jaxckpt._orbax`), process 0 the rest. So a committed step
 always carries its manifest, and `verify` can tell exactly which file is missing, truncated
 or changed. Orbax's two commit files are left out: Orbax itself rewrites them during the
 rename, after the manifest.
@@ -22,7 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import xxhash
@@ -118,18 +119,64 @@ def checked_on_read(rel: str) -> bool:
     return parts[0] in _layout.ITEMS and len(parts) >= 3 and parts[-2] == "d"
 
 
-def write_manifest(step_dir: epath.Path, *, read_checked: bool = False) -> None:
+def digests(root: epath.Path, rels: list[str]) -> dict[str, tuple[int, str]]:
+    """The size and digest of each file `root/rel`, hashed in parallel."""
+    with _pool() as pool:
+        return dict(zip(rels, pool.map(lambda rel: digest(root, rel), rels), strict=True))
+
+
+def process_files(step_dir: epath.Path, process: int, count: int) -> dict[str, str]:
+    """The files of a step that only `process` (of `count`) writes, each by its path in
+    the committed step and where it is now, relative to the step's folder (Orbax writes an
+    item into `<item>.orbax-checkpoint-tmp/` and renames it when the step is finalized):
+    in each item of arrays its OCDBT folder and its array metadata (Orbax's names), its
+    packed pieces and their index, its data-iterator files. The rest of a step (the items'
+    tree metadata and merged OCDBT roots, jaxckpt's own files) process 0 writes."""
+    own = {
+        item: [f"ocdbt.process_{process}/", f"array_metadatas/process_{process}"]
+        for item in _layout.ITEMS
+    }
+    own[_layout.PACKED] = list(_layout.packed_files(process, count))
+    own[_layout.DATA] = [
+        _layout.data_file(kind, process, count) for kind in ("process", "iterator")
+    ]
+    found: dict[str, str] = {}
+    for item, names in own.items():
+        folder = next(
+            (f for f in (item + _layout.TMP_SUFFIX, item) if (step_dir / f).is_dir()), None
+        )
+        for name in names if folder else ():
+            path = step_dir / folder / name
+            if name.endswith("/"):
+                below = (
+                    [str(p.relative_to(step_dir / folder)) for p in files_below(path)]
+                    if path.is_dir()
+                    else []
+                )
+            else:
+                below = [name] if path.is_file() else []
+            found |= {f"{item}/{rel}": f"{folder}/{rel}" for rel in below}
+    return found
+
+
+def write_manifest(
+    step_dir: epath.Path,
+    *,
+    read_checked: bool = False,
+    hashed: Mapping[str, tuple[int, str]] | None = None,
+) -> None:
     """The manifest of every file of a step; `read_checked`: its arrays were written with
     chunk checksums and its packed pieces with digests, so that the files a read checks
-    itself (`checked_on_read`) are listed as such."""
+    itself (`checked_on_read`) are listed as such. `hashed`: the size and digest of files
+    already hashed where they were written (`digests`, on each process of a job); the
+    other files are hashed here."""
     rels, odd = _listing(step_dir)
     if odd:  # never written by Orbax: something else wrote into the step being saved
         raise OSError(f"{step_dir} holds what no save writes: {'; '.join(odd)}")
-    with _pool() as pool:
-        digests = list(pool.map(lambda rel: digest(step_dir, rel), rels))
-    files = {
-        rel: {"size": size, HASH: found} for rel, (size, found) in zip(rels, digests, strict=True)
-    }
+    hashed = hashed or {}
+    known = {rel: tuple(hashed[rel]) for rel in rels if rel in hashed}
+    known |= digests(step_dir, [rel for rel in rels if rel not in known])
+    files = {rel: {"size": known[rel][0], HASH: known[rel][1]} for rel in rels}
     doc: dict[str, Any] = {
         "format": 1,
         "hash": f"{HASH} (python-xxhash {xxhash.VERSION})",

@@ -151,6 +151,46 @@ def on_writes_done(callback: Callable[[], None]) -> Iterator[None]:
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+# The barrier of Orbax's background save that every process reaches once its own files of
+# a step are written, before process 0 finalizes and commits the step.
+WRITE_BARRIER = "async_write_complete"
+
+
+def barrier_after_writes(hook: Callable[[], None]) -> Callable[..., None]:
+    """A `barrier_sync_fn` for Orbax's async options: Orbax's own barrier between the job's
+    processes (`ocp.multihost.get_barrier_sync_fn`), calling `hook()` first at the barrier
+    of a save whose writes are done (`WRITE_BARRIER`), on every process. Orbax meets it only
+    in a job of several processes."""
+
+    def barrier(*, key: str, timeout_ms: int) -> None:
+        if WRITE_BARRIER in key:
+            hook()
+        ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=timeout_ms)
+
+    return barrier
+
+
+def _coordination() -> Any:
+    """The job's client of JAX's coordination service (`jax.distributed.initialize`'s),
+    whose key-value store carries Orbax's barriers."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def publish(key: str, value: str) -> None:
+    """Sets `key` in the job's key-value store (replacing what a failed save left there)."""
+    _coordination().key_value_set(key, value, allow_overwrite=True)
+
+
+def take(prefix: str) -> list[str]:
+    """The values set below `prefix/` in the job's key-value store, which are deleted."""
+    client = _coordination()
+    found = client.key_value_dir_get(prefix + "/")
+    client.key_value_delete(prefix)
+    return [value for _, value in found]
+
+
 def missing_processes(error: BaseException) -> list[int]:
     """The processes a multi-host barrier waited for in vain, as JAX's coordination service
     names them: after the barrier timeout, or after a dead task's heartbeat timeout."""

@@ -108,6 +108,11 @@ def data_file(kind: str, process: int, count: int) -> str:
     return f"{kind}_{process}-of-{count}.json"
 
 
+def packed_files(process: int, count: int) -> tuple[str, str]:
+    """Process `process`'s files (bytes, index) in the step's packed folder."""
+    return f"{process}-of-{count}.bin", f"{process}-of-{count}.json"
+
+
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
     """A step's `jaxckpt/jaxckpt.json`: what was saved, enough to check a restore target and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import xxhash
 from etils import epath
 
 from jaxckpt import _integrity, _internals, _layout, _orbax_steps, _packed, _transfer
@@ -188,6 +190,9 @@ class OrbaxStore:
             async_options=ocp.AsyncOptions(
                 timeout_secs=timeout_s,
                 post_finalization_callback=None if read_only else self._finalized,
+                # In a job of several processes, each hashes the files it wrote before
+                # the barrier that precedes the commit (`_hash_own_files`).
+                barrier_sync_fn=_internals.barrier_after_writes(self._hash_own_files),
                 # The step's folders are made in save() itself. Made in the background,
                 # each of Orbax's (non-daemon) writer threads waits for a "created" signal
                 # for Orbax's own 300 s, not timeout_s, and a failed creation never sends
@@ -310,12 +315,13 @@ class OrbaxStore:
            job lost it: its lock file was removed or replaced, or its lease taken over).
         2. Orbax makes `<step>.orbax-checkpoint-tmp` (on object storage, `<step>` itself)
            now, and every process writes its shards into it in the background.
-        3. Once every item is written on every process (Orbax's post-finalization
-           callback, `before_commit`), process 0 writes the manifest of every file
-           (`_integrity.write_manifest`: the data files, whose chunks and pieces carry
-           checksums of their own, listed as checked by a read), then asks the lock
-           again, of the server itself for a lease: a writer that lost it raises there
-           and the step never commits.
+        3. Each process hashes the files it wrote (`_hash_own_files`, before Orbax's
+           barrier after the writes). Once every item is written on every process
+           (Orbax's post-finalization callback, `before_commit`), process 0 hashes the
+           rest and writes the manifest of every file (`_integrity.write_manifest`: the
+           data files, whose chunks and pieces carry checksums of their own, listed as
+           checked by a read), then asks the lock again, of the server itself for a
+           lease: a writer that lost it raises there and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.
         A failure at 2-4 is raised by `wait` (as the background error it is).
@@ -345,18 +351,45 @@ class OrbaxStore:
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
-    def _finalized(self) -> None:
-        # Orbax calls this in its background thread, on every process, after all items
-        # are finalized and before it renames the step's temporary folder into place.
-        if self._saving is None or jax.process_index() != 0:
+    def _saving_folder(self, step: int) -> epath.Path:
+        tmp = self.directory / f"{step}{_layout.TMP_SUFFIX}"
+        return tmp if tmp.exists() else self.step_dir(step)
+
+    def _digests_key(self, step: int) -> str:
+        return f"jaxckpt/digests/{xxhash.xxh3_64_hexdigest(str(self.directory).encode())}/{step}"
+
+    def _hash_own_files(self) -> None:
+        # Orbax calls this in its background save on every process of a job of several,
+        # once the process's own files of the step are written (`_layout.process_files`),
+        # before the barrier that precedes the commit: each process hashes what it wrote,
+        # and process 0 (`before_commit`) only the rest, so no process reads the state.
+        if (step := self._saving) is None:
             return
-        tmp = self.directory / f"{self._saving}{_layout.TMP_SUFFIX}"
-        self.before_commit(tmp if tmp.exists() else self.step_dir(self._saving))
+        folder = self._saving_folder(step)
+        try:
+            own = _integrity.process_files(folder, jax.process_index(), jax.process_count())
+            found = _integrity.digests(folder, list(own.values()))
+        except OSError as e:  # not fatal: process 0 hashes those files itself
+            log.warning("could not hash this process's files of step %d: %s", step, e)
+            return
+        hashed = {rel: found[now] for rel, now in own.items()}
+        _internals.publish(f"{self._digests_key(step)}/{jax.process_index()}", json.dumps(hashed))
+
+    def _finalized(self) -> None:
+        # Orbax calls this in its background thread on process 0, once every process's
+        # files are written and every item finalized, before it commits the step.
+        if self._saving is not None and jax.process_index() == 0:
+            self.before_commit(self._saving_folder(self._saving))
 
     def before_commit(self, folder: epath.Path) -> None:
         """Step 3 of the commit protocol (`save`), on process 0: the manifest of the step's
-        `folder`, then the lock asked again; a writer that lost it never commits."""
-        _integrity.write_manifest(folder, read_checked=True)
+        `folder` (of the files the other processes hashed, what they found), then the lock
+        asked again; a writer that lost it never commits."""
+        hashed: dict[str, Any] = {}
+        if self._saving is not None and jax.process_count() > 1:
+            for found in _internals.take(self._digests_key(self._saving)):
+                hashed |= json.loads(found)
+        _integrity.write_manifest(folder, read_checked=True, hashed=hashed)
         if self._lock is not None:
             self._lock.check(confirm=True)
 

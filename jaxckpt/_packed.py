@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 from etils import epath
 
-from jaxckpt._layout import INFO_PATH, PACKED
+from jaxckpt._layout import INFO_PATH, PACKED, packed_files
 from jaxckpt._plan import holders
 from jaxckpt._storage import is_remote, open_inside
 from jaxckpt._tree import ReadRequest, is_count, is_counts
@@ -65,11 +65,6 @@ READ_BATCH_BYTES = 64 * 2**20
 def is_small(value: Any) -> bool:
     """Whether a leaf to save is packed rather than written as an array of its own."""
     return value.nbytes <= MAX_LEAF_BYTES
-
-
-def file_names(process: int, count: int) -> tuple[str, str]:
-    """Process `process`'s files (bytes, index) in the step's packed folder."""
-    return f"{process}-of-{count}.bin", f"{process}-of-{count}.json"
 
 
 # --- saving --------------------------------------------------------------------------------
@@ -235,7 +230,7 @@ def write(folder: epath.Path, pieces: HostPieces) -> None:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
     holds at most one leaf beyond what the save copied off the devices."""
-    data, index = file_names(jax.process_index(), jax.process_count())
+    data, index = packed_files(jax.process_index(), jax.process_count())
     digests: list[str] = []
     _write(folder, data, pieces.chunks, digests)
     _write(folder, index, [pieces.index_json(digests).encode()], [])
@@ -304,7 +299,7 @@ class PackedStep:
         present = {p.name for p in folder.iterdir()} if folder.exists() else set()
         indexed = False
         for p in range(processes) if parts is None else parts:
-            _, rel = file_names(p, processes)
+            _, rel = packed_files(p, processes)
             if rel not in present:
                 continue  # a process's index missing: its leaves are found incomplete
             indexed = True
@@ -403,7 +398,7 @@ class PackedStep:
         opened once a step, not read; ValueError otherwise): then no piece reaches past
         the file's real end, and a leaf's pieces, sharing no byte, hold at most its bytes."""
         for process in sorted(processes):
-            rel = file_names(process, self.processes)[0]
+            rel = packed_files(process, self.processes)[0]
             try:
                 with self._open(self.folder, rel) as f:
                     real = f.seek(0, os.SEEK_END)
@@ -439,7 +434,7 @@ class PackedStep:
                 else:
                     runs.append([p])
                     wanted = p.nbytes
-            rel = file_names(process, self.processes)[0]
+            rel = packed_files(process, self.processes)[0]
             with self._open(self.folder, rel) as f:
                 for run in runs:
                     start = run[0].offset

@@ -140,3 +140,25 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as plain:
         plain.save(tmp_path / "plain", args=ocp.args.PyTreeSave({"w": w}))
     assert "crc32c" not in _chunk_codecs(tmp_path / "plain")
+
+
+def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
+    """Each process of a job hashes the files it wrote at Orbax's barrier after its writes
+    (`_internals.barrier_after_writes`, found by its key; tests/test_spread.py counts what
+    every process reads while saving), and process 0 gathers the digests from JAX's
+    key-value store (`publish`, `take`)."""
+    import inspect
+
+    from jax._src import distributed
+    from jax._src.lib import _jax
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    source = inspect.getsource(async_checkpointer._background_wait_for_commit_futures)
+    assert f"'{_internals.WRITE_BARRIER}'" in source, (
+        "Orbax's background save no longer meets a barrier named "
+        f"{_internals.WRITE_BARRIER!r} once a process's writes are done: update "
+        "_internals.WRITE_BARRIER"
+    )
+    assert hasattr(distributed.global_state, "client"), "update _internals._coordination"
+    for method in ("key_value_set", "key_value_dir_get", "key_value_delete"):
+        assert hasattr(_jax.DistributedRuntimeClient, method), f"update _internals: {method}"

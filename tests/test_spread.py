@@ -1,7 +1,8 @@
 """Storage traffic that does not grow with the replicas, counted on real processes
 (jax.distributed, gloo, 127.0.0.1, 2 CPU devices each): every process's bytes through
 read(2) around a verified restore (`jaxckpt._spread`), summed over the job, and through
-write(2) around a save, against the state's bytes; what was restored compared bitwise; a
+write(2) and read(2) around a save (each process hashing the files it wrote), against the
+state's bytes; what was restored compared bitwise; a
 damaged file still caught by the process that read it, every process falling back alike."""
 
 import pytest
@@ -33,6 +34,9 @@ def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(tmp_path, layo
     # the busiest process writes about its share, whichever layout (replicas write parts)
     wrote = [r["wrote"] / size for r in reports]
     assert max(wrote) <= 1.25 / processes and sum(wrote) >= 1.0, wrote
+    # and hashes (for the step's manifest) what it wrote, not the state: process 0 too
+    hashed = [r["read_saving"] / size for r in reports]
+    assert max(hashed) <= 1.25 / processes and sum(hashed) <= 1.1, hashed
 
 
 @pytest.mark.parametrize("processes", [2, 4])

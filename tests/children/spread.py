@@ -42,7 +42,7 @@ def values(step: int) -> dict[str, np.ndarray]:
 
 
 def restore_counted(job: Job) -> dict:
-    """Steps 1 and 2 saved (counting what this process wrote of step 2), then step 2 (or with
+    """Steps 1 and 2 saved (counting what this process wrote and read of step 2), then step 2 (or with
     "corrupt", after process 0 flipped a byte of its largest file of `corrupt`: state/ or
     packed/, the latest that verifies) restored in a new manager onto the same layout,
     counting what this process read."""
@@ -60,10 +60,12 @@ def restore_counted(job: Job) -> dict:
     with jaxckpt.CheckpointManager(directory) as m:
         for step in (1, 2):
             state = on_mesh(values(step)) | {"n": np.int64(step)}
-            before = io_counts()["wchar"]
+            before = io_counts()
             m.save(step, state=state)
             m.wait()
-            report["wrote"] = io_counts()["wchar"] - before
+            after = io_counts()
+            report["wrote"] = after["wchar"] - before["wchar"]
+            report["read_saving"] = after["rchar"] - before["rchar"]
     if where := job.args.get("corrupt"):
         if job.process_id == 0:
             victim = faults.largest_data_file(directory / "2", within=(where,))
