@@ -2,11 +2,11 @@
 
 Just before Orbax renames a finished step into place (its `post_finalization_callback`,
 after every item is written on every process), process 0 writes `jaxckpt/manifest.json`,
-the size and xxHash XXH3-128 (python-xxhash) of every file of the step: in a job of several
-processes each hashed the files it wrote (`digests`, `jaxckpt._orbax`), process 0 the rest. So a committed step
-always carries its manifest, and `verify` can tell exactly which file is missing, truncated
-or changed. Orbax's two commit files are left out: Orbax itself rewrites them during the
-rename, after the manifest.
+the size and xxHash XXH3-128 (python-xxhash) of every file of the step: in a job of
+several processes each hashed the files it wrote (`process_files`, `jaxckpt._orbax`),
+process 0 the rest. So a committed step always carries its manifest, and `verify` can tell
+exactly which file is missing, truncated or changed. Orbax's two commit files are left out:
+Orbax itself rewrites them during the rename, after the manifest.
 
 A restore reads each byte once. The manifest lists the files whose every byte a read checks
 itself (`read_checked`): the arrays' data files (zarr3 chunks, each with a CRC-32C that

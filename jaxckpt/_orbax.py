@@ -360,9 +360,9 @@ class OrbaxStore:
 
     def _hash_own_files(self) -> None:
         # Orbax calls this in its background save on every process of a job of several,
-        # once the process's own files of the step are written (`_layout.process_files`),
+        # once the process's own files of the step are written (`_integrity.process_files`),
         # before the barrier that precedes the commit: each process hashes what it wrote,
-        # and process 0 (`before_commit`) only the rest, so no process reads the state.
+        # and process 0 (`before_commit`) only the rest, so each reads about its share.
         if (step := self._saving) is None:
             return
         folder = self._saving_folder(step)
