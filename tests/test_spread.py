@@ -2,8 +2,8 @@
 (jax.distributed, gloo, 127.0.0.1, 2 CPU devices each): every process's bytes through
 read(2) around a verified restore (`jaxckpt._spread`), summed over the job, and through
 write(2) and read(2) around a save (each process hashing the files it wrote), against the
-state's bytes; what was restored compared bitwise; a
-damaged file still caught by the process that read it, every process falling back alike."""
+state's bytes; what was restored compared bitwise; a damaged file still caught by the
+process that read it, every process falling back alike."""
 
 import pytest
 from children import spread

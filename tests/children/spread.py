@@ -42,10 +42,10 @@ def values(step: int) -> dict[str, np.ndarray]:
 
 
 def restore_counted(job: Job) -> dict:
-    """Steps 1 and 2 saved (counting what this process wrote and read of step 2), then step 2 (or with
-    "corrupt", after process 0 flipped a byte of its largest file of `corrupt`: state/ or
-    packed/, the latest that verifies) restored in a new manager onto the same layout,
-    counting what this process read."""
+    """Steps 1 and 2 saved (counting what this process wrote and read of step 2), then
+    step 2 (or with "corrupt", after process 0 flipped a byte of its largest file of
+    `corrupt`: state/ or packed/, the latest that verifies) restored in a new manager onto
+    the same layout, counting what this process read."""
     mesh, spec = layout(job.num_processes, job.args["layout"])
     sharding = NamedSharding(mesh, spec)
 
