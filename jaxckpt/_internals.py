@@ -14,6 +14,8 @@ import functools
 import logging
 import re
 import socket
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -189,6 +191,81 @@ def take(prefix: str) -> list[str]:
     found = client.key_value_dir_get(prefix + "/")
     client.key_value_delete(prefix)
     return [value for _, value in found]
+
+
+# What `count_collectives` counts: the collectives of JAX's multihost_utils (jaxckpt's and
+# Orbax's, found as module attributes at each call) and the calls on the job's client of
+# JAX's coordination service (Orbax's barriers, its key-value signals, jaxckpt's digests).
+COLLECTIVES = (
+    "process_allgather",
+    "broadcast_one_to_all",
+    "sync_global_devices",
+    "reached_preemption_sync_point",
+)
+CLIENT_CALLS = (
+    "wait_at_barrier",
+    "key_value_set",
+    "key_value_set_bytes",
+    "blocking_key_value_get",
+    "blocking_key_value_get_bytes",
+    "key_value_try_get",
+    "key_value_dir_get",
+    "key_value_delete",
+    "key_value_increment",
+)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter[str]]:
+    """Counts, by name, this process's collectives and coordination-service calls while the
+    block runs, on every thread (benchmarks/scale.py's counts per save and per restore). A
+    collective is counted once, not again for the collectives it makes itself
+    (`sync_global_devices` gathers with `process_allgather`). Orbax objects built before the
+    block that keep the client (a manager's barrier function) are not counted."""
+    from jax._src import distributed
+    from jax.experimental import multihost_utils
+
+    counts: Counter[str] = Counter()
+    inside = threading.local()
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(inside, "depth", 0)
+            if depth == 0:
+                counts[name] += 1
+            inside.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside.depth = depth
+
+        return call
+
+    originals = {name: getattr(multihost_utils, name) for name in COLLECTIVES}
+    client = distributed.global_state.client
+    for name, fn in originals.items():
+        setattr(multihost_utils, name, counted(name, fn))
+    if client is not None:
+        distributed.global_state.client = _CountingClient(client, counted)
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(multihost_utils, name, fn)
+        distributed.global_state.client = client
+
+
+class _CountingClient:
+    """The coordination-service client, each of `CLIENT_CALLS` counted; the rest as it is."""
+
+    def __init__(self, client: Any, counted: Callable[..., Any]) -> None:
+        self._client = client
+        for name in CLIENT_CALLS:
+            setattr(self, name, counted(name, getattr(client, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def missing_processes(error: BaseException) -> list[int]:

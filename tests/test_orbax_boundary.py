@@ -162,3 +162,25 @@ def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
     assert hasattr(distributed.global_state, "client"), "update _internals._coordination"
     for method in ("key_value_set", "key_value_dir_get", "key_value_delete"):
         assert hasattr(_jax.DistributedRuntimeClient, method), f"update _internals: {method}"
+
+
+def test_the_collectives_and_client_calls_counted_are_jaxs():
+    """`_internals.count_collectives` (benchmarks/scale.py's counts per save and restore)
+    wraps JAX's multihost collectives by name and the coordination client's calls; a
+    collective made inside another is not counted twice, and all is put back after."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+    from jax.experimental import multihost_utils
+
+    for name in _internals.COLLECTIVES:
+        assert callable(getattr(multihost_utils, name, None)), f"update _internals: {name}"
+    for name in _internals.CLIENT_CALLS:
+        assert hasattr(_jax.DistributedRuntimeClient, name), f"update _internals: {name}"
+    originals = [getattr(multihost_utils, name) for name in _internals.COLLECTIVES]
+    with _internals.count_collectives() as counts:
+        multihost_utils.sync_global_devices("jaxckpt-boundary")  # gathers inside: counted once
+        multihost_utils.process_allgather(np.int32(1))
+        multihost_utils.process_allgather(np.int32(2))
+    assert counts == {"sync_global_devices": 1, "process_allgather": 2}, counts
+    assert [getattr(multihost_utils, name) for name in _internals.COLLECTIVES] == originals
+    assert distributed.global_state.client is None  # one process: no client to count

@@ -3,7 +3,8 @@
 read(2) around a verified restore (`jaxckpt._spread`), summed over the job, and through
 write(2) and read(2) around a save (each process hashing the files it wrote), against the
 state's bytes; what was restored compared bitwise; a damaged file still caught by the
-process that read it, every process falling back alike."""
+process that read it, every process falling back alike; a restore's collectives the same
+at any process count."""
 
 import pytest
 from children import spread
@@ -21,12 +22,26 @@ def _run(tmp_path, processes, **args):
     return [r.report() for r in results]
 
 
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """A job's reports by layout and process count, each job run once for the module."""
+    done = {}
+
+    def reports(layout, processes):
+        if (layout, processes) not in done:
+            where = tmp_path_factory.mktemp(f"{layout}-{processes}")
+            done[layout, processes] = _run(where, processes, layout=layout)
+        return done[layout, processes]
+
+    return reports
+
+
 @pytest.mark.parametrize(
     "layout, processes",
     [("replicated", 2), ("replicated", 4), ("mixed", 2), ("mixed", 4), ("fsdp", 2)],
 )
-def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(tmp_path, layout, processes):
-    reports = _run(tmp_path, processes, layout=layout)
+def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(counted, layout, processes):
+    reports = counted(layout, processes)
     assert all(r["bitwise"] and r["step"] == 2 for r in reports), reports
     size = reports[0]["state_bytes"]
     total = sum(r["read"] for r in reports)
@@ -37,6 +52,16 @@ def test_a_restore_reads_each_byte_once_and_the_writes_are_spread(tmp_path, layo
     # and hashes (for the step's manifest) what it wrote, not the state: process 0 too
     hashed = [r["read_saving"] / size for r in reports]
     assert max(hashed) <= 1.25 / processes and sum(hashed) <= 1.1, hashed
+
+
+@pytest.mark.parametrize("layout", ["replicated", "mixed"])
+def test_a_restores_collectives_do_not_grow_with_the_processes(counted, layout):
+    """Counted per process (`_internals.count_collectives`): the same collectives on 4
+    processes as on 2 (one agreement per stage, one all-gather per read batch), the same on
+    every process, and no barrier."""
+    two, four = ([r["collectives"] for r in counted(layout, n)] for n in (2, 4))
+    assert all(c == two[0] for c in two + four), (two, four)
+    assert two[0] and not {"wait_at_barrier", "sync_global_devices"} & set(two[0]), two
 
 
 @pytest.mark.parametrize("processes", [2, 4])

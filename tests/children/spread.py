@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from children.job import Job
+from jaxckpt import _internals
 from reliability import faults
 
 
@@ -84,8 +85,10 @@ def restore_counted(job: Job) -> dict:
             except jaxckpt.errors.CorruptCheckpointError as e:
                 report["error"] = str(e)
         before = io_counts()["rchar"]
-        restored = m.restore(state=target, fallback=bool(where))
+        with _internals.count_collectives() as collectives:
+            restored = m.restore(state=target, fallback=bool(where))
         report["read"] = io_counts()["rchar"] - before
+        report["collectives"] = dict(collectives)
     expected = values(restored.step)
     report["step"] = restored.step
     report["bitwise"] = (
