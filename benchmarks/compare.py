@@ -264,9 +264,9 @@ def report(
 
 def other_results(at: Path) -> list[str]:
     """The other benchmarks' pages (benchmarks/results/*.md, each written by its own
-    script, which `make bench` runs), one section each, their relative links made relative
-    to the folder `at` of this page: this page is the current one, its history in git and
-    CHANGELOG.md."""
+    script, which `make bench` runs), one section each (their own headings two levels
+    down), their relative links made relative to the folder `at` of this page: this page
+    is the current one, its history in git and CHANGELOG.md."""
 
     def rebased(link: re.Match) -> str:
         target = link.group(1)
@@ -277,6 +277,7 @@ def other_results(at: Path) -> list[str]:
     lines = ["", "## The other benchmarks", ""]
     for page in sorted(RESULTS.glob("*.md")):
         heading, _, body = page.read_text().partition("\n")
+        body = re.sub(r"^(#+) ", r"\1## ", body, flags=re.MULTILINE)  # below its heading
         lines += [
             f"### {heading.lstrip('# ')}",
             "",

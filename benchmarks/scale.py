@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.scale_worker import DEVICES, measure
+from benchmarks.scale_worker import DEVICES, REQUEST_KINDS, measure
 from benchmarks.tables import table
+from reliability import gcs
 from tests.multihost import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,12 +45,23 @@ LAYOUTS = ("replicated", "fsdp", "mixed")
 CONTENDERS = ("jaxckpt", "orbax")
 
 
-def run(contender: str, layout: str, processes: int, mib: int, root: Path) -> dict:
-    """One job: every process's counts, and the step folder's files and bytes."""
-    directory = root / f"{contender}-{layout}-{processes}"
+def run(
+    contender: str, layout: str, processes: int, mib: int, root: Path, gcs_log: Path | None
+) -> dict:
+    """One job: every process's counts, and the step folder's files and bytes (on local
+    disk; on gs:// when `gcs_log`, the emulator's log, is given)."""
+    name = f"{contender}-{layout}-{processes}"
+    directory = root / name
     spec = {"contender": contender, "layout": layout, "mib": mib, "directory": str(directory)}
+    if gcs_log:
+        spec |= {"directory": f"gs://{gcs.BUCKET}/{name}", "gcs_log": str(gcs_log)}
+    if contender == "local":
+        spec["local_root"] = str(root / f"{name}-local")
     jobs = run_job(measure, processes=processes, devices=DEVICES, args=spec, timeout=600)
     reports = [r.report() for r in jobs]
+    shutil.rmtree(root / f"{name}-local", ignore_errors=True)
+    if gcs_log or contender == "local":
+        return {"processes": reports}
     files = {f: f.stat().st_size for f in (directory / "1").rglob("*") if f.is_file()}
     meta = [n for f, n in files.items() if f.parent.name != "d" and f.suffix != ".bin"]
     shutil.rmtree(directory)
@@ -59,6 +72,21 @@ def run(contender: str, layout: str, processes: int, mib: int, root: Path) -> di
         "meta_files": len(meta),
         "meta_bytes": sum(meta),
     }
+
+
+def _calls(process: dict, phase: str) -> tuple[int, int, int]:
+    """A process's collectives (all-gathers, broadcasts), barriers (JAX's
+    `sync_global_devices` and the coordination service's) and other coordination-service
+    calls (key-value, preemption sync point) in a phase."""
+    calls = process[phase]["calls"]
+    collectives = calls.get("process_allgather", 0) + calls.get("broadcast_one_to_all", 0)
+    barriers = calls.get("sync_global_devices", 0) + calls.get("wait_at_barrier", 0)
+    return collectives, barriers, sum(calls.values()) - collectives - barriers
+
+
+def _most_calls(ps: list[dict], phase: str) -> list[int]:
+    """The most collectives, barriers and coordination calls of any process in a phase."""
+    return [max(c) for c in zip(*(_calls(p, phase) for p in ps), strict=True)]
 
 
 def summary(job: dict) -> dict:
@@ -82,9 +110,51 @@ def summary(job: dict) -> dict:
         "meta_files": job["meta_files"],
         "meta_bytes": job["meta_bytes"],
         "stored": job["bytes"] / size,
-        "bitwise": all(p["bitwise"] for p in ps),
+        "bitwise": all(p["restore"]["bitwise"] for p in ps),
         "save_s": max(p["save"]["seconds"] for p in ps),
         "restore_s": max(p["restore"]["seconds"] for p in ps),
+        "save_calls": _most_calls(ps, "save"),
+        "restore_calls": _most_calls(ps, "restore"),
+    }
+
+
+def gcs_summary(job: dict) -> dict:
+    """A job on gs://: its requests by kind at the save and at the restore (the emulator's
+    log, the whole job), its calls."""
+    ps = job["processes"]
+    save, restore = (ps[0][phase]["requests"] for phase in ("save", "restore"))
+    return {
+        "save_requests": {k: save.get(k, 0) for k in REQUEST_KINDS},
+        "restore_requests": {k: restore.get(k, 0) for k in REQUEST_KINDS},
+        "bitwise": all(p["restore"]["bitwise"] for p in ps),
+        "save_calls": _most_calls(ps, "save"),
+        "restore_calls": _most_calls(ps, "restore"),
+    }
+
+
+def local_summary(job: dict) -> dict:
+    """A local-tier job, per process (the busiest): its own part and the copy of a peer's
+    it keeps, its bytes read and written at the save (its part, the copy it sends, the copy
+    it receives) and at the two restores (all parts there; process 0's folder lost, its
+    part sent by the peer that keeps it), against the state's bytes."""
+    ps = job["processes"]
+    size = ps[0]["state_bytes"]
+    phases = ["restore"] + (["restore_lost"] if "restore_lost" in ps[0] else [])
+
+    def most(key, phase=None):
+        return max((p[phase][key] if phase else p[key]) for p in ps) / size
+
+    return {
+        "own_part": most("own_part"),
+        "copy_kept": most("copy_kept"),
+        "save_writes_max": most("wchar", "save"),
+        "save_reads_max": most("rchar", "save"),
+        "restore_reads_max": most("rchar", "restore"),
+        "lost_reads_max": most("rchar", "restore_lost") if "restore_lost" in ps[0] else None,
+        "tiers": sorted({p[phase]["tier"] for p in ps for phase in phases}),
+        "bitwise": all(p[phase]["bitwise"] for p in ps for phase in phases),
+        "save_calls": _most_calls(ps, "save"),
+        "restore_calls": _most_calls(ps, "restore"),
     }
 
 
@@ -94,20 +164,41 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
+    parser.add_argument("--gcs-layouts", nargs="*", default=["replicated", "fsdp"])
+    parser.add_argument("--local-layouts", nargs="*", default=["replicated", "fsdp"])
     args = parser.parse_args()
+    jobs = [
+        ("local", layout, contender) for layout in args.layouts for contender in args.contenders
+    ]
+    jobs += [
+        ("gs", layout, contender) for layout in args.gcs_layouts for contender in args.contenders
+    ]
+    jobs += [("local", layout, "local") for layout in args.local_layouts]
     results = {}
     with tempfile.TemporaryDirectory(prefix="jaxckpt-scale-") as root:
-        for layout in args.layouts:
-            for n in args.processes:
-                for contender in args.contenders:
-                    s = summary(run(contender, layout, n, args.mib, Path(root)))
-                    results[(layout, n, contender)] = s
-                    print(layout, n, contender, json.dumps(s), flush=True)
+        os.environ.update(gcs.LOOPBACK_ENV)
+        log = Path(root) / "gcs.log"
+        server, url = gcs.start(log, log_level="info")
+        os.environ.update(gcs.point_at(url))
+        try:
+            for storage, layout, contender in jobs:
+                for n in args.processes:
+                    job = run(
+                        contender, layout, n, args.mib, Path(root), log if storage == "gs" else None
+                    )
+                    if storage == "gs":
+                        s = gcs_summary(job)
+                    else:
+                        s = (local_summary if contender == "local" else summary)(job)
+                    results[(storage, layout, n, contender)] = s
+                    print(storage, layout, n, contender, json.dumps(s), flush=True)
+        finally:
+            gcs.stop(server)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scale.json").write_text(
         json.dumps(
             [
-                {"layout": k[0], "processes": k[1], "contender": k[2], **v}
+                {"storage": k[0], "layout": k[1], "processes": k[2], "contender": k[3], **v}
                 for k, v in results.items()
             ],
             indent=1,
@@ -116,9 +207,14 @@ def main() -> None:
     write(results, args)
 
 
+def _calls_text(calls: list[int]) -> str:
+    return " / ".join(map(str, calls))
+
+
 def write(results: dict, args) -> None:
+    persistent = {k[1:]: v for k, v in results.items() if k[0] == "local" and k[3] != "local"}
     rows = []
-    for (layout, n, contender), s in results.items():
+    for (layout, n, contender), s in persistent.items():
         rows.append(
             [
                 layout,
@@ -151,12 +247,45 @@ def write(results: dict, args) -> None:
         "bitwise",
         "save / restore s",
     ]
-    command = f"python benchmarks/scale.py --processes {' '.join(map(str, args.processes))}"
+    calls = [
+        [layout, str(n), contender, _calls_text(s["save_calls"]), _calls_text(s["restore_calls"])]
+        for (layout, n, contender), s in persistent.items()
+    ]
+    on_gcs = []
+    for (storage, layout, n, contender), s in results.items():
+        if storage == "gs":
+            save, restore = s["save_requests"], s["restore_requests"]
+            on_gcs.append(
+                [layout, str(n), contender]
+                + [f"{save[k]:,} / {restore[k]:,}" for k in REQUEST_KINDS]
+                + ["yes" if s["bitwise"] else "**no**"]
+            )
+    local = []
+    for (_, layout, n, contender), s in results.items():
+        if contender == "local":
+            lost = s["lost_reads_max"]
+            local.append(
+                [
+                    layout,
+                    str(n),
+                    f"{s['own_part']:.2f}x / {s['copy_kept']:.2f}x",
+                    f"{s['save_writes_max']:.2f}x / {s['save_reads_max']:.2f}x",
+                    f"{s['restore_reads_max']:.2f}x",
+                    "-" if lost is None else f"{lost:.2f}x",
+                    ", ".join(s["tiers"]),
+                    _calls_text(s["save_calls"]) + " ; " + _calls_text(s["restore_calls"]),
+                    "yes" if s["bitwise"] else "**no**",
+                ]
+            )
+    command = (
+        f"python benchmarks/scale.py --processes {' '.join(map(str, args.processes))}"
+        f" --mib {args.mib}"
+    )
     text = "\n".join(
         [
             "# Pod scale: storage traffic against the process count",
             "",
-            f"`{command} --mib {args.mib}` (issue 28): N real processes (jax.distributed, gloo,"
+            f"`{command}` (issue 28): N real processes (jax.distributed, gloo,"
             f" 127.0.0.1, {DEVICES} CPU devices each) save and restore {args.mib} MiB of"
             " incompressible float32 (3/4 in 8 MiB leaves, 1/4 in 1 MiB ones). Bytes through"
             " read(2)/write(2) of every process (`/proc/self/io`; the collectives receive with"
@@ -166,7 +295,55 @@ def write(results: dict, args) -> None:
             " `(N, 2)` data x model mesh. Targets: restore reads <= 1.1x, busiest writer"
             f" <= 1.25/N. Plot: [{PNG.name}](../../{PNG.name}).",
             "",
+            "## On local disk",
+            "",
             *table(header, rows),
+            "## Collectives and coordination calls, per process",
+            "",
+            "The most of any process, from the manager's making to its close"
+            " (`_internals.count_collectives`): collectives (all-gathers, broadcasts) /"
+            " barriers (`sync_global_devices`, the coordination service's) / other"
+            " coordination-service calls (key-value, preemption sync point). Orbax's own"
+            " count as well as jaxckpt's.",
+            "",
+            *table(["layout", "N", "contender", "save", "restore"], calls),
+            "## On gs:// (fake-gcs-server on 127.0.0.1)",
+            "",
+            "The whole job's requests to the store at the save / at the restore, by kind"
+            " (the emulator's log, one line per request, between two barriers of the"
+            " harness). The emulator logs no size for a download: the bytes read are"
+            " counted on local disk, above.",
+            "",
+            *table(
+                ["layout", "N", "contender", *REQUEST_KINDS, "bitwise"],
+                on_gcs,
+            ),
+            "## The local tier",
+            "",
+            "`LocalTier(every_steps=1, replicas=1)`, one step saved to the local tier alone"
+            " (each process's part into its own folder, a copy to the next process over the"
+            " peer protocol), restored with every part there, then again after process 0's"
+            " folder was deleted (its part fetched from the peer that keeps it). The busiest"
+            " process, against the state's bytes: its part / the copy it keeps; save writes /"
+            " reads (its part, the copy it sends with sendfile(2), which counts it as read"
+            " and written, the copy it receives and checks); restore reads; the same after"
+            " process 0's loss (the peer's reads include the part it sends); calls as above,"
+            " save ; restore.",
+            "",
+            *table(
+                [
+                    "layout",
+                    "N",
+                    "part / copy kept",
+                    "save writes / reads",
+                    "restore reads",
+                    "restore reads, a part lost",
+                    "tier",
+                    "calls, save ; restore",
+                    "bitwise",
+                ],
+                local,
+            ),
             *model(results),
         ]
     )
@@ -176,8 +353,9 @@ def write(results: dict, args) -> None:
 
 
 def _fit(points: list[tuple[int, float]], n: int) -> float:
-    """A count's straight line through its measured (N, count) points, at N = n."""
-    xs, ys = zip(*points, strict=True)
+    """A count's straight line through its last two measured (N, count) points (the
+    largest N, where a constant term matters least), at N = n."""
+    xs, ys = zip(*points[-2:], strict=True)
     if len(set(xs)) < 2:
         return ys[-1]
     slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
@@ -187,11 +365,21 @@ def _fit(points: list[tuple[int, float]], n: int) -> float:
 def model(results: dict) -> list[str]:
     """How jaxckpt's counts grow to 256 and 1,024 hosts: measured, and a line through the
     measured points where a count grows with N."""
-    mine = {k: v for k, v in results.items() if k[2] == "jaxckpt"}
-    if not mine:
+
+    def measured(storage: str, contender: str) -> list[tuple[int, dict]]:
+        """(N, summary) of jaxckpt's jobs in one layout (replicated where measured)."""
+        got = {k[1:3]: v for k, v in results.items() if k[0] == storage and k[3] == contender}
+        layouts = {layout for layout, _ in got}
+        layout = "replicated" if "replicated" in layouts else min(layouts, default=None)
+        return sorted((n, v) for (name, n), v in got.items() if name == layout)
+
+    points = measured("local", "jaxckpt")
+    if not points:
         return []
-    layout = "replicated" if any(k[0] == "replicated" for k in mine) else next(iter(mine))[0]
-    points = sorted((k[1], v) for k, v in mine.items() if k[0] == layout)
+
+    def per_n(values: list[tuple[int, object]]) -> str:
+        return ", ".join(f"{v} at N = {n}" for n, v in values)
+
     biggest = points[-1][1]
     files = [(n, v["files"]) for n, v in points]
     meta = [(n, v["meta_bytes"] / 2**10) for n, v in points]
@@ -219,10 +407,17 @@ def model(results: dict) -> list[str]:
             "yes: ICI/DCN, within the restore budget per batch",
         ],
         [
-            "collectives of a restore",
+            "collectives / barriers / coordination calls of a process, restore",
             "O(read batches), not N: one agreement per stage, one all-gather per batch"
             " (within the restore budget)",
-            "the same at any N",
+            per_n([(n, _calls_text(v["restore_calls"])) for n, v in points]),
+            "yes",
+        ],
+        [
+            "collectives / barriers / coordination calls of a process, save",
+            "O(1) per save: Orbax's barriers, jaxckpt's agreement on the step and its"
+            " digests (process 0 takes N, one key-value read)",
+            per_n([(n, _calls_text(v["save_calls"])) for n, v in points]),
             "yes",
         ],
         [
@@ -249,25 +444,73 @@ def model(results: dict) -> list[str]:
             " of it on each host",
         ],
     ]
+    if gcs_points := measured("gs", "jaxckpt"):
+        save = [(n, sum(v["save_requests"].values())) for n, v in gcs_points]
+        rows.append(
+            [
+                "requests to gs:// of a save, whole job (per process)",
+                "O(N) in the job, O(1) per process: each lists and stats what it wrote and"
+                " the step's shared files; measured "
+                + ", ".join(f"{c:,} ({c / n:,.0f}) at N = {n}" for n, c in save),
+                " / ".join(f"{_fit(save, n):,.0f} ({_fit(save, n) / n:,.0f})" for n in at),
+                "yes: flat per host",
+            ]
+        )
+        each = [(n, sum(v["restore_requests"].values()) / n) for n, v in gcs_points]
+        slope = _fit(each, 1) - _fit(each, 0)
+        rows.append(
+            [
+                "requests to gs:// of a restore, whole job (per process)",
+                "O(N) per process, O(N^2) in the job: every process stats, checks and reads"
+                " every process's packed index and stats its data file"
+                f" (`packed/<i>-of-<N>.json`, `.bin`; {slope:.0f} requests per process more"
+                " for each process more); measured "
+                + ", ".join(f"{c * n:,.0f} ({c:,.0f}) at N = {n}" for n, c in each),
+                " / ".join(f"{_fit(each, n) * n:,.0f} ({_fit(each, n):,.0f})" for n in at),
+                "**no**: millions of requests at 1,024 hosts (open in issue 28)",
+            ]
+        )
+    if local_points := measured("local", "local"):
+        held = [(n, f"{v['own_part'] + v['copy_kept']:.2f}x") for n, v in local_points]
+        rows.append(
+            [
+                "local tier: a process's bytes on its disk and over the peer protocol",
+                "O(state held): its part and one copy of a peer's (replicas=1), sent and"
+                " received once per local save; at a restore only a lost part moves",
+                per_n(held),
+                "yes: flat in N (a restore reads its part twice, checked before it is read)",
+            ]
+        )
     return [
-        f"## How the counts grow (jaxckpt, {layout}; 256 / 1,024 hosts extrapolated)",
+        "## How the counts grow (jaxckpt, replicated; 256 / 1,024 hosts extrapolated)",
         "",
         *table(["count", "grows as", "at 256 / 1,024 hosts", "acceptable"], rows),
     ]
 
 
 def plot(results: dict, out: Path) -> None:
-    """Restore reads (whole job) and the busiest writer (times N) against N, per layout."""
+    """First row, per layout on local disk: restore reads (whole job) and the busiest
+    writer (times N) against N. Second row (replicated): a process's collectives and
+    barriers, the job's requests to gs://, the local tier's bytes per process."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = sorted({k[0] for k in results}, key=LAYOUTS.index)
-    fig, axes = plt.subplots(1, len(layouts), figsize=(5 * len(layouts), 4), squeeze=False)
-    for ax, layout in zip(axes[0], layouts, strict=True):
-        for contender, style in (("jaxckpt", "-"), ("orbax", "--")):
-            got = sorted((k[1], v) for k, v in results.items() if k[::2] == (layout, contender))
+    def series(storage: str, layout: str, contender: str) -> list[tuple[int, dict]]:
+        return sorted(
+            (k[2], v)
+            for k, v in results.items()
+            if (k[0], k[1], k[3]) == (storage, layout, contender)
+        )
+
+    layouts = sorted({k[1] for k in results if k[0] == "local"}, key=LAYOUTS.index)
+    columns = max(len(layouts), 3)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8), squeeze=False)
+    styles = (("jaxckpt", "-"), ("orbax", "--"))
+    for ax, layout in zip(axes[0], layouts, strict=False):
+        for contender, style in styles:
+            got = series("local", layout, contender)
             if not got:
                 continue
             ns = [n for n, _ in got]
@@ -285,12 +528,41 @@ def plot(results: dict, out: Path) -> None:
             )
         ax.axhline(1.1, color="grey", lw=0.8, ls=":")
         ax.axhline(1.25, color="grey", lw=0.8, ls="-.")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("processes N")
         ax.set_ylabel("multiple of the state's bytes")
-        ax.set_title(layout)
-        ax.legend(fontsize=7)
-    fig.suptitle("Storage traffic against the process count (targets: 1.1x reads, 1.25 writer x N)")
+        ax.set_title(f"{layout}: storage traffic")
+    calls, requests, local = axes[1][:3]
+    for contender, style in styles:
+        got = series("local", "replicated", contender)
+        for phase, marker in (("save", "s"), ("restore", "o")):
+            ax_values = [sum(v[f"{phase}_calls"]) for _, v in got]
+            calls.plot(
+                [n for n, _ in got], ax_values, marker + style, label=f"{contender}: {phase}"
+            )
+        got = series("gs", "replicated", contender)
+        for phase, marker in (("save", "s"), ("restore", "o")):
+            counts = [sum(v[f"{phase}_requests"].values()) for _, v in got]
+            requests.plot(
+                [n for n, _ in got], counts, marker + style, label=f"{contender}: {phase}"
+            )
+    calls.set_title("replicated: a process's collectives + barriers + coordination calls")
+    calls.set_ylabel("calls (the busiest process)")
+    requests.set_title("replicated, gs://: the job's requests")
+    requests.set_ylabel("requests")
+    for layout, style in (("replicated", "-"), ("fsdp", "--")):
+        got = series("local", layout, "local")
+        ns = [n for n, _ in got]
+        local.plot(ns, [v["own_part"] for _, v in got], "o" + style, label=f"{layout}: own part")
+        local.plot(ns, [v["copy_kept"] for _, v in got], "s" + style, label=f"{layout}: copy kept")
+    local.set_title("local tier: bytes per process")
+    local.set_ylabel("multiple of the state's bytes")
+    for ax in axes.flat:
+        if ax.has_data():
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("processes N")
+            ax.legend(fontsize=7)
+        else:
+            ax.set_visible(False)
+    fig.suptitle("Against the process count (targets: 1.1x reads, 1.25 writer x N)")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

