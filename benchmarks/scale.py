@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.scale_worker import DEVICES, REQUEST_KINDS, measure
+from benchmarks.scale_worker import DEVICES, measure
 from benchmarks.tables import table
 from reliability import gcs
 from tests.multihost import run_job
@@ -124,8 +124,8 @@ def gcs_summary(job: dict) -> dict:
     ps = job["processes"]
     save, restore = (ps[0][phase]["requests"] for phase in ("save", "restore"))
     return {
-        "save_requests": {k: save.get(k, 0) for k in REQUEST_KINDS},
-        "restore_requests": {k: restore.get(k, 0) for k in REQUEST_KINDS},
+        "save_requests": {k: save.get(k, 0) for k in gcs.REQUEST_KINDS},
+        "restore_requests": {k: restore.get(k, 0) for k in gcs.REQUEST_KINDS},
         "bitwise": all(p["restore"]["bitwise"] for p in ps),
         "save_calls": _most_calls(ps, "save"),
         "restore_calls": _most_calls(ps, "restore"),
@@ -257,7 +257,7 @@ def write(results: dict, args) -> None:
             save, restore = s["save_requests"], s["restore_requests"]
             on_gcs.append(
                 [layout, str(n), contender]
-                + [f"{save[k]:,} / {restore[k]:,}" for k in REQUEST_KINDS]
+                + [f"{save[k]:,} / {restore[k]:,}" for k in gcs.REQUEST_KINDS]
                 + ["yes" if s["bitwise"] else "**no**"]
             )
     local = []
@@ -315,7 +315,7 @@ def write(results: dict, args) -> None:
             " counted on local disk, above.",
             "",
             *table(
-                ["layout", "N", "contender", *REQUEST_KINDS, "bitwise"],
+                ["layout", "N", "contender", *gcs.REQUEST_KINDS, "bitwise"],
                 on_gcs,
             ),
             "## The local tier",

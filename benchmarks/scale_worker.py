@@ -20,44 +20,15 @@ bitwise what was saved, and which tier it came from.
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from reliability import gcs
+
 DEVICES = 2  # CPU devices per process
-
-# fake-gcs-server's log (at -log-level info): a line per request, `\"GET /path?query
-# HTTP/1.1\" 200 <size>` among its fields (the quotes escaped; the size of a download is
-# logged as 0, so bytes are counted on local disk only).
-_REQUEST = re.compile(r'\\?"([A-Z]+) (\S+) HTTP/[\d.]+\\?"')
-REQUEST_KINDS = ("list", "metadata", "read", "write", "delete", "other")
-
-
-def requests(log: Path, since: int) -> dict[str, int]:
-    """The requests logged after byte `since` of the emulator's log, by kind: objects
-    listed, metadata read (an object's, or that it is not there), objects fetched (whole or
-    a range), uploads, deletes, other."""
-    with log.open("rb") as f:
-        f.seek(since)
-        text = f.read().decode(errors="replace")
-    counts: Counter[str] = Counter()
-    for method, target in _REQUEST.findall(text):
-        path, _, query = target.partition("?")
-        if method == "GET" and re.fullmatch(r"/storage/v1/b/[^/]+/o/?", path):
-            kind = "list"
-        elif method == "GET" and ("alt=media" in query or path.startswith("/download/")):
-            kind = "read"
-        elif method in ("GET", "HEAD"):
-            kind = "metadata"
-        elif method == "PUT" or (method == "POST" and path.startswith("/upload/")):
-            kind = "write"
-        else:
-            kind = {"DELETE": "delete"}.get(method, "other")
-        counts[kind] += 1
-    return dict(counts)
 
 
 def _tree_bytes(root: Path) -> int:
@@ -93,7 +64,7 @@ def measure(job: Any) -> dict:
         multihost_utils.sync_global_devices(f"scale:{name}:end")
         counts["calls"] = dict(calls)
         if gcs_log and job.process_id == 0:
-            counts["requests"] = requests(gcs_log, since)
+            counts["requests"] = dict(Counter(k for k, _ in gcs.requests(gcs_log, since)))
         return counts
 
     sharding = NamedSharding(*layout(job.num_processes, spec["layout"]))

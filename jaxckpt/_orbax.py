@@ -177,7 +177,13 @@ class OrbaxStore:
         )
         if not read_only:
             _internals.checksummed(self.directory)
-        self._arrays = arrays
+        # Reads through a handler without Orbax's per-process ArrayMetadata, which its
+        # restore reads whole, every process's file on every process (O(N) requests
+        # each), only to find PRNG key impls: jaxckpt stores keys' data and their impl
+        # in its own info.
+        self._arrays = ocp.PyTreeCheckpointHandler(
+            use_zarr3=True, type_handler_registry=_registry(array_metadata=False)
+        )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
         options = ocp.CheckpointManagerOptions(
@@ -467,9 +473,9 @@ class OrbaxStore:
                 )
         return self._packed[key]
 
-    def open_file(self, folder: epath.Path, name: str) -> Any:
+    def open_file(self, folder: epath.Path, name: str, size: int | None = None) -> Any:
         """Opens a file of a step's packed leaves to read (`_storage.open_inside`)."""
-        return open_inside(folder, name)
+        return open_inside(folder, name, size)
 
     def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
         args = ocp.args.PyTreeRestore(
@@ -568,7 +574,7 @@ def _check_read(
     )
 
 
-def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
+def _registry(array_metadata: bool = True) -> ocp.type_handlers.TypeHandlerRegistry:
     """Orbax's handlers for the two leaf types jaxckpt hands it, with replica-parallel
     writes only where they pay off.
 
@@ -577,7 +583,8 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
     replicated biases and norms compiled for ~2 s. One process gains nothing from it (it
     writes every piece anyway), so only several processes use it, and only for pieces of
     at least REPLICA_PARALLEL_MIN_BYTES (the small leaves are packed, `_packed`, their
-    pieces spread over the processes holding them).
+    pieces spread over the processes holding them). `array_metadata`: with Orbax's
+    per-process ArrayMetadata, which a save writes as Orbax's own would (a read needs none).
     """
     return ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
@@ -586,7 +593,7 @@ def _registry() -> ocp.type_handlers.TypeHandlerRegistry:
             ocp.type_handlers.ArrayHandler(
                 use_replica_parallel=jax.process_count() > 1,
                 min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-                array_metadata_store=_internals.array_metadata_store(),
+                array_metadata_store=_internals.array_metadata_store() if array_metadata else None,
             ),
         ),
     )

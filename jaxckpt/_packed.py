@@ -48,7 +48,7 @@ from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED, packed_files
 from jaxckpt._plan import holders
-from jaxckpt._storage import is_remote, open_inside
+from jaxckpt._storage import file_sizes, is_remote, open_inside
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
@@ -283,12 +283,12 @@ class PackedStep:
         folder: epath.Path,
         processes: int,
         parts: Sequence[int] | None = None,
-        opener: Callable[[Any, str], Any] = open_inside,
+        opener: Callable[..., Any] = open_inside,
     ):
         """`parts`: the processes whose files are there (None: every process's). A folder of
         some processes' parts (the local tier's) serves only what those parts hold: each
         region a reader's devices need within one of their pieces (`holds`). `opener`:
-        how a file `(folder, name)` is opened to read (`open_inside`; a store's own)."""
+        how a file `(folder, name, size=)` is opened to read (`open_inside`; a store's own)."""
         self.folder = folder
         self._open = opener
         self.processes = processes
@@ -296,15 +296,18 @@ class PackedStep:
         self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
         self._sized: set[int] = set()  # the processes whose file was found that long
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[Piece]]]] = {}
-        present = {p.name for p in folder.iterdir()} if folder.exists() else set()
+        try:  # one listing: which files are there and how long (never a request a file)
+            self._present = file_sizes(folder)
+        except FileNotFoundError:
+            self._present = {}
         indexed = False
         for p in range(processes) if parts is None else parts:
             _, rel = packed_files(p, processes)
-            if rel not in present:
+            if rel not in self._present:
                 continue  # a process's index missing: its leaves are found incomplete
             indexed = True
             try:
-                with opener(folder, rel) as f:
+                with opener(folder, rel, size=self._present[rel]) as f:
                     doc = json.loads(f.read())
             except (OSError, ValueError, RecursionError) as e:
                 raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
@@ -394,16 +397,15 @@ class PackedStep:
         return wanted
 
     def _check_sizes(self, processes: Iterable[int]) -> None:
-        """Each of these processes' files must hold the bytes its index claims (a file
-        opened once a step, not read; ValueError otherwise): then no piece reaches past
-        the file's real end, and a leaf's pieces, sharing no byte, hold at most its bytes."""
+        """Each of these processes' files must hold the bytes its index claims (its size as
+        listed, ValueError otherwise; a file shorter when read is caught by that read): then
+        no piece reaches past the file's end, and a leaf's pieces, sharing no byte, hold at
+        most its bytes."""
         for process in sorted(processes):
             rel = packed_files(process, self.processes)[0]
-            try:
-                with self._open(self.folder, rel) as f:
-                    real = f.seek(0, os.SEEK_END)
-            except FileNotFoundError:
-                raise ValueError(f"{PACKED}/{rel} is missing") from None
+            real = self._present.get(rel)
+            if real is None:
+                raise ValueError(f"{PACKED}/{rel} is missing")
             if real < self._sizes[process]:
                 raise ValueError(
                     f"{PACKED}/{rel} holds {real} bytes, fewer than the "
@@ -435,7 +437,7 @@ class PackedStep:
                     runs.append([p])
                     wanted = p.nbytes
             rel = packed_files(process, self.processes)[0]
-            with self._open(self.folder, rel) as f:
+            with self._open(self.folder, rel, size=self._present.get(rel)) as f:
                 for run in runs:
                     start = run[0].offset
                     stop = max(p.offset + p.nbytes for p in run)

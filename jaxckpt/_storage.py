@@ -4,11 +4,17 @@ Object stores have no rename (a "rename" copies every object), no advisory locks
 object appears whole or not at all. Modules that must act differently ask `is_remote`;
 `gcs_blob` gives the google-cloud-storage handle for the few operations epath lacks
 (conditional writes for the writer lease).
+
+Every request to object storage counts at pod scale, where each process makes it: a
+listing here is one request per 1,000 names (a folder's whole tree in one), and a file is
+read in one request per read, with none to open it (epath's `open` made four or five:
+its metadata, a listing to tell it from a folder, ...).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import stat
 from collections.abc import Iterator
@@ -59,9 +65,9 @@ def entries(directory: Any) -> list[tuple[str, str]]:
     if not is_remote(directory):
         with os.scandir(directory) as found:
             return [(e.name, _kind(e)) for e in found]
-    protocol, _, root = str(directory).partition("://")
+    fs, root = _filesystem(directory)
     kinds: dict[str, str] = {}
-    for entry in fsspec.filesystem(protocol).ls(root, detail=True):
+    for entry in fs.ls(root, detail=True):
         name = entry["name"].rstrip("/").rpartition("/")[2]
         if name and kinds.get(name) != "dir":  # a folder and an object of one name: a folder
             kinds[name] = "dir" if entry["type"] == "directory" else "file"
@@ -89,9 +95,35 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+def file_sizes(directory: Any) -> dict[str, int]:
+    """The regular files directly in `directory`, each with its size, from one listing (no
+    link followed); FileNotFoundError if it is not there."""
+    if not is_remote(directory):
+        with os.scandir(directory) as found:
+            return {
+                e.name: e.stat(follow_symlinks=False).st_size
+                for e in found
+                if e.is_file(follow_symlinks=False)
+            }
+    fs, key = _filesystem(directory)
+    return {
+        e["name"].rpartition("/")[2]: int(e["size"])
+        for e in fs.ls(key, detail=True)
+        if e["type"] == "file"
+    }
+
+
 def files_below(root: Any) -> Iterator[Any]:
-    """Every file below `root`, a listing per folder (links are followed: for object
-    storage, which has none, and folders Orbax wrote)."""
+    """Every file below `root`: on object storage from one listing of all its objects, not
+    one per folder (the folders of a step grow with the processes that wrote it); locally
+    a listing per folder (links are followed: folders Orbax wrote)."""
+    if is_remote(root):
+        fs, key = _filesystem(root)
+        prefix = key.rstrip("/") + "/"
+        for name in sorted(fs.find(key)):
+            if name.startswith(prefix) and not name.endswith("/"):
+                yield root / name[len(prefix) :]
+        return
     stack = [root]
     while stack:
         for path in stack.pop().iterdir():
@@ -101,12 +133,15 @@ def files_below(root: Any) -> Iterator[Any]:
                 yield path
 
 
-def open_inside(root: Any, rel: str) -> Any:
+def open_inside(root: Any, rel: str, size: int | None = None) -> Any:
     """Opens the file `root/rel` for reading. Locally it goes down one folder at a time
     without following a link, and opens only a regular file: a folder swapped for a link
-    cannot lead out of `root`, nor a FIFO swapped in block the reader (OSError otherwise)."""
+    cannot lead out of `root`, nor a FIFO swapped in block the reader (OSError otherwise).
+    On object storage it makes no request: each read makes one (`size`, the object's as
+    listed, spares the one a read of part of it would make to learn it)."""
     if is_remote(root):
-        return (root / rel).open("rb")
+        fs, key = _filesystem(root)
+        return _Object(fs, f"{key.rstrip('/')}/{rel}", size)
     *folders, name = rel.split("/")
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -121,6 +156,80 @@ def open_inside(root: Any, rel: str) -> Any:
         os.close(file_fd)
         raise OSError(f"{rel} is not a regular file")
     return os.fdopen(file_fd, "rb")
+
+
+class _Object(io.RawIOBase):
+    """An object read by ranged requests, one a read, unbuffered: never a byte more than
+    asked (`read(n)` may return fewer, as a raw file's does). None to open it: a missing
+    object is FileNotFoundError at the first read. Its size, unless given, is learnt from a
+    read that returns fewer bytes than asked (then no request is made past it), or asked
+    for (one request) by a seek from its end or a read that starts at its end. A store's
+    own error is OSError."""
+
+    def __init__(self, fs: Any, key: str, size: int | None):
+        self._fs, self._key, self._pos, self._size = fs, key, 0, size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos}.get(whence)
+        self._pos = max(0, offset + (self._length() if base is None else base))
+        return self._pos
+
+    def _length(self) -> int:
+        if self._size is None:
+            self._size = int(self._fs.size(self._key))
+        return self._size
+
+    def readall(self) -> bytes:
+        if self._size is not None and self._pos >= self._size:
+            return b""
+        data = self._get(self._pos or None, None)
+        self._pos += len(data)
+        self._size = self._pos
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        stop = self._pos + len(view)
+        if self._size is not None:
+            stop = min(stop, self._size)
+        if stop <= self._pos:
+            return 0
+        try:
+            data = self._get(self._pos, stop)
+        except FileNotFoundError:
+            raise
+        except OSError:  # a range from the end on (the store refuses it) reads nothing
+            if self._size is not None or self._pos < self._length():
+                raise
+            return 0
+        view[: len(data)] = data
+        self._pos += len(data)
+        if self._pos < stop:  # fewer bytes than asked: the end
+            self._size = self._pos
+        return len(data)
+
+    def _get(self, start: int | None, stop: int | None) -> bytes:
+        try:
+            return self._fs.cat_file(self._key, start=start, end=stop)
+        except OSError:
+            raise
+        except Exception as e:  # the store's own (gcsfs: HttpError): a read that failed
+            raise OSError(f"{self._key}: {e}") from e
+
+
+def _filesystem(url: Any) -> tuple[Any, str]:
+    """The fsspec filesystem of an object-storage URL and the path in it (bucket/key)."""
+    protocol, _, key = str(url).partition("://")
+    return fsspec.filesystem(protocol), key
 
 
 @functools.cache

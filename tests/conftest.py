@@ -53,9 +53,15 @@ def ckpt_dir(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def gcs_bucket(tmp_path_factory):
+def gcs_log(tmp_path_factory):
+    """The GCS emulator's log: a line per request (`reliability.gcs.requests` reads it)."""
+    return tmp_path_factory.mktemp("gcs") / "server.log"
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(gcs_log):
     """gs://jaxckpt-test on a real GCS emulator on 127.0.0.1, for this test session."""
-    proc, url = gcs.start(tmp_path_factory.mktemp("gcs") / "server.log")
+    proc, url = gcs.start(gcs_log, log_level="info")
     patch = pytest.MonkeyPatch()
     for key, value in gcs.point_at(url).items():
         patch.setenv(key, value)

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import cli
-from reliability import faults, launch
+from jaxckpt import _storage, cli
+from reliability import faults, gcs, launch
 from reliability.stress import Tally, kill_trial
 
 
@@ -262,3 +262,76 @@ def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
     target = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("model")))
     loaded = jaxckpt.load_safetensors(out, {"embed": target}, ignore="blocks.*|scale")
     np.testing.assert_array_equal(np.asarray(loaded["embed"]), host["embed"])
+
+
+# --- requests: each process makes them at pod scale, so they are counted ------------------
+
+
+def _mark(log):
+    return log.stat().st_size
+
+
+def test_a_folder_tree_on_gcs_is_listed_in_one_request_however_many_folders(gcs_dir, gcs_log):
+    # A step holds a folder per process that wrote it (ocdbt.process_<i>/d/...): listed one
+    # folder at a time, every process's verification made O(processes) requests.
+    root = epath.Path(gcs_dir)
+    names = [*sorted(f"state/ocdbt.process_{i}/d/{i:04x}" for i in range(12)), "top.json"]
+    for name in names:
+        (root / name).write_bytes(b"x")
+    since = _mark(gcs_log)
+    found = sorted(str(p.relative_to(root)) for p in _storage.files_below(root))
+    assert found == names
+    assert gcs.requests(gcs_log, since) == [("list", f"{root.name}/")]
+
+
+def test_a_file_on_gcs_is_read_in_one_request_a_read_and_none_to_open(gcs_dir, gcs_log):
+    root = epath.Path(gcs_dir)
+    (root / "a/b.bin").write_bytes(bytes(range(200)))
+    name = f"{root.name}/a/b.bin"
+    since = _mark(gcs_log)
+    with _storage.open_inside(root, "a/b.bin") as f:  # read whole: one request
+        assert f.read() == bytes(range(200))
+    with _storage.open_inside(root, "a/b.bin", size=200) as f:  # a part, its size known
+        f.seek(50)
+        view = bytearray(100)
+        assert f.readinto(view) == 100 and bytes(view) == bytes(range(50, 150))
+        f.seek(190)
+        assert f.readinto(view) == 10  # the end: no request past it
+        assert f.readinto(view) == 0
+    with _storage.open_inside(root, "a/b.bin") as f:  # in parts, its size not known
+        assert [len(f.read(150)), len(f.read(150)), len(f.read(150))] == [150, 50, 0]
+    assert gcs.requests(gcs_log, since) == [("read", name)] * 5
+    with _storage.open_inside(root, "a/missing") as f, pytest.raises(FileNotFoundError):
+        f.read()
+    (root / "a/empty").write_bytes(b"")
+    with _storage.open_inside(root, "a/empty") as f:  # a range the store refuses: the end
+        assert f.read(10) == b"" and f.read(10) == b""
+
+
+def test_a_restore_from_gcs_reads_no_others_array_metadata_and_stats_no_packed_file(
+    mesh, gcs_dir, gcs_log
+):
+    # Orbax's array restore read every process's array_metadatas/ (to find PRNG key impls,
+    # which jaxckpt records itself), and the packed reader asked for each packed file's size:
+    # both O(processes) requests on each process.
+    rng = np.random.default_rng(0)
+    state = {
+        "big": jax.device_put(
+            rng.standard_normal((1024, 512), np.float32), NamedSharding(mesh, P("data"))
+        ),
+        "small": jax.device_put(rng.standard_normal((8, 4), np.float32), NamedSharding(mesh, P())),
+    }
+    with jaxckpt.CheckpointManager(gcs_dir) as m:
+        m.save(1, state=state, rng=jax.random.key(1))
+    since = _mark(gcs_log)
+    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+        got = m.restore(state=jaxckpt.target_like(state), rng=jax.random.key(0))
+    for k in state:
+        assert np.asarray(got.state[k]).tobytes() == np.asarray(state[k]).tobytes()
+    assert jax.random.key_data(got.rng).tolist() == jax.random.key_data(jax.random.key(1)).tolist()
+    made = gcs.requests(gcs_log, since)
+    assert ("read", f"{epath.Path(gcs_dir).name}/1/packed/0-of-1.bin") in made  # it was read
+    # Orbax's read of every process's file lists their folder first; this process's own
+    # it may still read (one file, whatever the process count).
+    assert [r for r in made if r[1].endswith("/array_metadatas/")] == []
+    assert [r for r in made if r[0] == "metadata" and "/packed/" in r[1]] == []

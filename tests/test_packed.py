@@ -283,8 +283,8 @@ def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(ckpt_di
         m.save(1, state=state)
     read = []  # the bytes of each read of a packed file
 
-    def measured_open(open_file, folder, name):
-        f = open_file(folder, name)
+    def measured_open(open_file, folder, name, **kw):
+        f = open_file(folder, name, **kw)
         real_readinto = f.readinto
         f.readinto = lambda b: read.append(len(b)) or real_readinto(b)
         return f
