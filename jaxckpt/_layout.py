@@ -108,6 +108,9 @@ def data_file(kind: str, process: int, count: int) -> str:
     return f"{kind}_{process}-of-{count}.json"
 
 
+PACKED_INDEX = "index.json"  # in the packed folder: every process's index (`_packed`)
+
+
 def packed_files(process: int, count: int) -> tuple[str, str]:
     """Process `process`'s files (bytes, index) in the step's packed folder."""
     return f"{process}-of-{count}.bin", f"{process}-of-{count}.json"

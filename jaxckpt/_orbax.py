@@ -177,10 +177,8 @@ class OrbaxStore:
         )
         if not read_only:
             _internals.checksummed(self.directory)
-        # Reads through a handler without Orbax's per-process ArrayMetadata, which its
-        # restore reads whole, every process's file on every process (O(N) requests
-        # each), only to find PRNG key impls: jaxckpt stores keys' data and their impl
-        # in its own info.
+        # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
+        # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(
             use_zarr3=True, type_handler_registry=_registry(array_metadata=False)
         )
@@ -388,13 +386,16 @@ class OrbaxStore:
             self.before_commit(self._saving_folder(self._saving))
 
     def before_commit(self, folder: epath.Path) -> None:
-        """Step 3 of the commit protocol (`save`), on process 0: the manifest of the step's
-        `folder` (of the files the other processes hashed, what they found), then the lock
-        asked again; a writer that lost it never commits."""
+        """Step 3 of the commit protocol (`save`), on process 0: the merged packed index
+        (`_packed.merge`) and the manifest of the step's `folder` (of the files the other
+        processes hashed, what they found), then the lock asked again; a writer that lost
+        it never commits."""
         hashed: dict[str, Any] = {}
         if self._saving is not None and jax.process_count() > 1:
             for found in _internals.take(self._digests_key(self._saving)):
                 hashed |= json.loads(found)
+            if (folder / _layout.PACKED).is_dir():
+                _packed.merge(folder / _layout.PACKED, jax.process_count())
         _integrity.write_manifest(folder, read_checked=True, hashed=hashed)
         if self._lock is not None:
             self._lock.check(confirm=True)

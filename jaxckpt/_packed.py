@@ -10,6 +10,9 @@ written, with every other small leaf this process holds, into one file of bytes:
                                      {item: {name: {"dtype": ..., "shape": [...],
                                       "pieces": [[offset, [[start, stop], ...], xxh3],
                                                  ...]}}}}
+    <step>/packed/index.json         in a job of several processes: every process's index
+                                     ({"format": 2, "indexes": [index of 0, ...]}),
+                                     written by process 0 at the commit, read instead
 
 A piece is one distinct shard of a leaf, written once in the job by the least-loaded of the
 processes holding it (all choose alike: N replicas write ~1/N each), or the whole leaf
@@ -30,7 +33,7 @@ So a leaf's bytes are at most its files' real bytes. All of it costs O(pieces lo
 
 from __future__ import annotations
 
-import bisect
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -46,9 +49,10 @@ import numpy as np
 import xxhash
 from etils import epath
 
-from jaxckpt._layout import INFO_PATH, PACKED, packed_files
+from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
 from jaxckpt._storage import file_sizes, is_remote, open_inside
+from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
@@ -131,7 +135,7 @@ def _piece_plan(value: jax.Array, local: bool, loads: np.ndarray) -> list[tuple[
     if found is None:
         mine: dict[Bounds, int] = {}
         for i, shard in enumerate(value.addressable_shards):
-            mine.setdefault(_bounds(shard.index, value.shape), i)
+            mine.setdefault(bounds_of(shard.index, value.shape), i)
         me, itemsize = jax.process_index(), np.dtype(value.dtype).itemsize
         alone, own, shared = np.zeros(len(loads), np.int64), [], list[tuple[Any, ...]]()
         for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
@@ -152,12 +156,6 @@ def _piece_plan(value: jax.Array, local: bool, loads: np.ndarray) -> list[tuple[
     loads += alone
     me = jax.process_index()
     return own + [(at, box) for at, box, n, among in shared if _writer(loads, n, among) == me]
-
-
-def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(
-        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
-    )
 
 
 def to_host(
@@ -236,6 +234,26 @@ def write(folder: epath.Path, pieces: HostPieces) -> None:
     _write(folder, index, [pieces.index_json(digests).encode()], [])
 
 
+def merge(folder: epath.Path, processes: int) -> None:
+    """On process 0 of a job of several, once every process's files of the step are
+    written (before the manifest, which covers it): every process's index in one file,
+    which a reader reads instead of each process's (O(1) requests, not O(N), on each).
+    A process's index missing is null there (its leaves are found incomplete)."""
+    present = file_sizes(folder)
+    names = [packed_files(p, processes)[1] for p in range(processes)]
+
+    def load(name: str) -> Any:
+        if name not in present:
+            return None
+        with open_inside(folder, name, size=present[name]) as f:
+            return json.loads(f.read())
+
+    with concurrent.futures.ThreadPoolExecutor(16, "jaxckpt-packed-merge") as pool:
+        indexes = list(pool.map(load, names))
+    doc = {"format": INDEX_FORMAT, "indexes": indexes}
+    _write(folder, PACKED_INDEX, [json.dumps(doc).encode()], [])
+
+
 def _write(folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]) -> None:
     """One file of `chunks`, the digest of each appended to `digests` as it is written."""
     remote = is_remote(folder)  # an object appears once closed: never a part of one
@@ -296,24 +314,44 @@ class PackedStep:
         self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
         self._sized: set[int] = set()  # the processes whose file was found that long
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[Piece]]]] = {}
-        try:  # one listing: which files are there and how long (never a request a file)
+        try:  # one listing: which files are there and how long (no request for each)
             self._present = file_sizes(folder)
         except FileNotFoundError:
             self._present = {}
-        indexed = False
-        for p in range(processes) if parts is None else parts:
-            _, rel = packed_files(p, processes)
-            if rel not in self._present:
-                continue  # a process's index missing: its leaves are found incomplete
-            indexed = True
-            try:
-                with opener(folder, rel, size=self._present[rel]) as f:
-                    doc = json.loads(f.read())
-            except (OSError, ValueError, RecursionError) as e:
-                raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
-            self._add(p, doc, f"{PACKED}/{rel}")
-        if not indexed:
+        indexes = self._indexes(processes, parts)
+        for p, doc, where in indexes:
+            self._add(p, doc, where)
+        if not indexes:
             raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
+
+    def _indexes(self, processes: int, parts: Sequence[int] | None) -> list[tuple]:
+        """Each process's index, with where it was: from the merged index (`merge`) when
+        every process's is wanted and it is there, one read whatever the process count;
+        else each from its own file (a process's missing: its leaves are found incomplete)."""
+        if parts is None and PACKED_INDEX in self._present:
+            doc = self._load(PACKED_INDEX)
+            ok = type(doc) is dict and doc.get("format") == INDEX_FORMAT
+            indexes = doc["indexes"] if ok and "indexes" in doc else None
+            if type(indexes) is not list or len(indexes) != processes:
+                raise ValueError(
+                    f"{PACKED}/{PACKED_INDEX} is not an index of {processes} processes' "
+                    "packed leaves"
+                )
+            where = f"{PACKED}/{PACKED_INDEX}: process"
+            return [(p, d, f"{where} {p}'s") for p, d in enumerate(indexes) if d is not None]
+        found = []
+        for p in range(processes) if parts is None else parts:
+            rel = packed_files(p, processes)[1]
+            if rel in self._present:
+                found.append((p, self._load(rel), f"{PACKED}/{rel}"))
+        return found
+
+    def _load(self, rel: str) -> Any:
+        try:
+            with self._open(self.folder, rel, size=self._present[rel]) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError, RecursionError) as e:
+            raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
 
     def _add(self, process: int, doc: Any, where: str) -> None:
         if not (
@@ -386,12 +424,12 @@ class PackedStep:
                     f"but {INFO_PATH} records shape {tuple(request.shape)} and dtype "
                     f"{request.dtype}"
                 )
-            regions = _regions(request, shape)
+            regions = regions_of(request, shape)
             if self._partial and regions is not None:
-                _check_held(item, name, pieces, regions)
+                check_held(item, name, pieces, regions)
             else:
-                _check_tiling(item, name, shape, pieces)
-            wanted[name] = [p for p in pieces if regions is None or _overlaps(p, regions)]
+                check_tiling(item, name, shape, pieces)
+            wanted[name] = [p for p in pieces if regions is None or overlaps(p, regions)]
             files.update(p.process for p in pieces)  # a leaf is allocated whole: all of them
         self._check_sizes(files - self._sized)
         return wanted
@@ -515,68 +553,6 @@ def _dtype(name: str) -> np.dtype | None:
         return np.dtype(jax.numpy.dtype(name))
     except TypeError:
         return None
-
-
-def _check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[Piece]) -> None:
-    """The pieces of a leaf must hold each of its elements once: none missing (a process's
-    files lost), none twice (an index that is not what jaxckpt writes). Checked on their
-    bounds alone, never with an array of the leaf's shape (an index may claim any): the
-    pieces jaxckpt writes are the distinct shards of one sharding, a grid, so each must be
-    one cell of the grid that the pieces' starts cut (from its start to the next cut on
-    every axis), none the same as another; then they are disjoint, and hold every element
-    once if their volume is the leaf's. (Pieces holding no element are left out.)"""
-    size = math.prod(shape)
-    boxes = [p.bounds for p in pieces if all(a < b for a, b in p.bounds)]
-    held = sum(math.prod(b - a for a, b in box) for box in boxes)
-    if held != size:
-        raise ValueError(
-            f"{PACKED}/: the pieces of {item} leaf {name!r} hold {held} of its {size} "
-            "elements (a process's files are missing or damaged)"
-        )
-    if len(boxes) <= 1:
-        return  # one piece within bounds holding every element is the whole leaf
-    cuts = [sorted({box[axis][0] for box in boxes} | {n}) for axis, n in enumerate(shape)]
-    cells = all(
-        axis[bisect.bisect_left(axis, a) + 1] == b  # a is a cut, before n: the next is there
-        for box in boxes
-        for (a, b), axis in zip(box, cuts, strict=True)
-    )
-    if not cells or len(set(boxes)) != len(boxes):
-        raise ValueError(
-            f"{PACKED}/: the pieces of {item} leaf {name!r} overlap, or are not the shards "
-            "of one sharding (not what jaxckpt writes)"
-        )
-
-
-def _check_held(item: str, name: str, pieces: list[Piece], regions: list) -> None:
-    """Each region this process's devices need must lie within one piece of the parts
-    there (a part holds its process's shards whole: on the same mesh each region is one)."""
-    for region in regions:
-        if not any(
-            all(a <= c and d <= b for (a, b), (c, d) in zip(p.bounds, region, strict=True))
-            for p in pieces
-        ):
-            raise ValueError(
-                f"{item} leaf {name!r}: the region {[list(r) for r in region]} this process "
-                "needs is not within one piece that it holds"
-            )
-
-
-def _regions(request: ReadRequest, shape: tuple[int, ...]) -> list | None:
-    """The regions of the leaf this process's devices need (None: all of it)."""
-    if request.sharding is None or request.sharding.is_fully_addressable:
-        return None
-    indices = request.sharding.addressable_devices_indices_map(shape).values()
-    # (jax types these indices `Index | None`, but takes them from `devices_indices_map`,
-    # whose indices are never None)
-    return list({_bounds(i, shape) for i in indices})  # type: ignore[arg-type]
-
-
-def _overlaps(piece: Piece, regions: list) -> bool:
-    return any(
-        all(a < d and c < b for (a, b), (c, d) in zip(piece.bounds, r, strict=True))
-        for r in regions
-    )
 
 
 def _assemble(

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _packed
 from reliability import faults
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -316,3 +317,35 @@ def test_a_step_deleted_and_saved_again_restores_its_new_leaves(mesh, ckpt_dir):
         m.save(1, state=changed)
         m.wait()
         _assert_bitwise(m.restore(state=_target(changed)).state, changed)
+
+
+def test_a_merged_index_is_read_instead_of_each_processs(mesh, ckpt_dir):
+    # Process 0 of a job of several writes it at the commit (tests/test_spread.py); here
+    # one process's step gets one by the same function, and its own index is removed.
+    state = _small_and_big(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+    folder = ckpt_dir / "1/packed"
+    _packed.merge(folder, 1)
+    (folder / "0-of-1.json").unlink()
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m:
+        _assert_bitwise(m.restore(state=_target(state)).state, state)
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        ({"format": 2, "indexes": {}}, "is not an index of 1 processes'"),
+        ({"format": 1, "indexes": [None]}, "is not an index of 1 processes'"),
+        ({"format": 2, "indexes": [None, None]}, "is not an index of 1 processes'"),
+        ({"format": 2, "indexes": [[]]}, r"index.json: process 0's is not an"),
+        ({"format": 2, "indexes": [None]}, "holds no process's index"),
+    ],
+)
+def test_a_merged_index_that_is_not_one_is_refused(mesh, ckpt_dir, doc, match):
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=_small_and_big(mesh))
+    (ckpt_dir / "1/packed/index.json").write_text(json.dumps(doc))
+    m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
+    with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=match):
+        m.restore(state=_target(_small_and_big(mesh)))

@@ -64,6 +64,18 @@ def test_a_restores_collectives_do_not_grow_with_the_processes(counted, layout):
     assert two[0] and not {"wait_at_barrier", "sync_global_devices"} & set(two[0]), two
 
 
+@pytest.mark.parametrize("layout", ["replicated", "mixed"])
+def test_each_process_reads_one_packed_index_whatever_the_processes(counted, layout):
+    """Process 0 merges every process's index at the commit: a process reads that one file,
+    not each process's (O(N) requests on each, O(N^2) in the job, on object storage), and
+    of the data files only those holding pieces it reads."""
+    for processes in (2, 4):
+        for r in counted(layout, processes):
+            data = [f for f in r["packed_opened"] if f != "index.json"]
+            assert "index.json" in r["packed_opened"], r
+            assert all(f.endswith(f"-of-{processes}.bin") for f in data), r
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 @pytest.mark.parametrize("where", ["state", "packed"])
 def test_a_damaged_file_is_caught_and_every_process_falls_back(tmp_path, where, processes):

@@ -76,7 +76,13 @@ def restore_counted(job: Job) -> dict:
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values(0).items()
     } | {"n": np.int64(0)}
-    with jaxckpt.CheckpointManager(directory) as m:
+    opened = []  # the packed files the restore opens
+
+    def opening(real, folder, name, **kw):
+        opened.append(name)
+        return real(folder, name, **kw)
+
+    with jaxckpt.CheckpointManager(directory, store=faults.store(open_file=opening)) as m:
         m.restore(1, state=target)  # uncounted: what a first restore imports and compiles
         if where:
             try:
@@ -85,10 +91,12 @@ def restore_counted(job: Job) -> dict:
             except jaxckpt.errors.CorruptCheckpointError as e:
                 report["error"] = str(e)
         before = io_counts()["rchar"]
+        opened.clear()
         with _internals.count_collectives() as collectives:
             restored = m.restore(state=target, fallback=bool(where))
         report["read"] = io_counts()["rchar"] - before
         report["collectives"] = dict(collectives)
+        report["packed_opened"] = sorted(set(opened))
     expected = values(restored.step)
     report["step"] = restored.step
     report["bitwise"] = (
