@@ -354,11 +354,12 @@ def write(results: dict, args) -> None:
 
 def _fit(points: list[tuple[int, float]], n: int) -> float:
     """A count's straight line through its last two measured (N, count) points (the
-    largest N, where a constant term matters least), at N = n."""
+    largest N, where a constant term matters least), at N = n; a count that falls with N
+    held at its last value (a line would take it below zero)."""
     xs, ys = zip(*points[-2:], strict=True)
     if len(set(xs)) < 2:
         return ys[-1]
-    slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+    slope = max(0.0, (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
     return ys[0] + slope * (n - xs[0])
 
 
@@ -424,12 +425,12 @@ def model(results: dict) -> list[str]:
             "files per step",
             "O(N): each process's OCDBT folder and packed file pair, written by itself",
             " / ".join(f"{_fit(files, n):,.0f}" for n in at),
-            "yes: listed once per restore by each process (O(N) each)",
+            "yes: each process lists them once per restore, one request per 1,000",
         ],
         [
             "metadata bytes per step (KiB)",
-            "O(N): per-process indexes and OCDBT manifests; every process reads the"
-            " indexes at restore, O(N) each, O(N^2) in the job",
+            "O(N): per-process indexes, their merge and OCDBT manifests; every process"
+            " reads the merged index at restore, O(N) bytes each, O(N^2) in the job",
             " / ".join(f"{_fit(meta, n):,.0f}" for n in at),
             "yes while a process's share stays below its data share (at 1,024 hosts the"
             " job reads that many KiB 1,024 times)",
@@ -437,7 +438,7 @@ def model(results: dict) -> list[str]:
         [
             "process 0's reads at a save",
             "O(state / N): each process hashes the files it wrote for the manifest,"
-            " process 0 also the step's metadata",
+            " process 0 also the step's metadata and every packed index (to merge them)",
             f"{p0:.2f}/N at most",
             "yes: the job reads each step once more (the files just written: the page"
             " cache on local disk, a GET of one's own objects on object storage), 1/N"
@@ -450,24 +451,24 @@ def model(results: dict) -> list[str]:
             [
                 "requests to gs:// of a save, whole job (per process)",
                 "O(N) in the job, O(1) per process: each lists and stats what it wrote and"
-                " the step's shared files; measured "
+                " the step's shared files (process 0 also reads every packed index, to merge"
+                " them: O(N) on one host); measured "
                 + ", ".join(f"{c:,} ({c / n:,.0f}) at N = {n}" for n, c in save),
                 " / ".join(f"{_fit(save, n):,.0f} ({_fit(save, n) / n:,.0f})" for n in at),
                 "yes: flat per host",
             ]
         )
         each = [(n, sum(v["restore_requests"].values()) / n) for n, v in gcs_points]
-        slope = _fit(each, 1) - _fit(each, 0)
         rows.append(
             [
                 "requests to gs:// of a restore, whole job (per process)",
-                "O(N) per process, O(N^2) in the job: every process stats, checks and reads"
-                " every process's packed index and stats its data file"
-                f" (`packed/<i>-of-<N>.json`, `.bin`; {slope:.0f} requests per process more"
-                " for each process more); measured "
+                "O(N) in the job, O(1) per process: each process lists the step (one"
+                " request per 1,000 files), reads its info, its manifest and the packed"
+                " indexes process 0 merged at the commit (`packed/index.json`, one GET), and"
+                " its share of the data; measured "
                 + ", ".join(f"{c * n:,.0f} ({c:,.0f}) at N = {n}" for n, c in each),
                 " / ".join(f"{_fit(each, n) * n:,.0f} ({_fit(each, n):,.0f})" for n in at),
-                "**no**: millions of requests at 1,024 hosts (open in issue 28)",
+                "yes: flat per host",
             ]
         )
     if local_points := measured("local", "local"):
