@@ -13,6 +13,7 @@ its metadata, a listing to tell it from a folder, ...).
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
@@ -163,8 +164,9 @@ class _Object(io.RawIOBase):
     asked (`read(n)` may return fewer, as a raw file's does). None to open it: a missing
     object is FileNotFoundError at the first read. Its size, unless given, is learnt from a
     read that returns fewer bytes than asked (then no request is made past it), or asked
-    for (one request) by a seek from its end or a read that starts at its end. A store's
-    own error is OSError."""
+    for (one request) by a seek from its end or when the store refuses a read from its end
+    on (that read returns nothing). A store's own error is OSError, as is a response longer
+    than the range asked for."""
 
     def __init__(self, fs: Any, key: str, size: int | None):
         self._fs, self._key, self._pos, self._size = fs, key, 0, size
@@ -179,9 +181,14 @@ class _Object(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence not in (os.SEEK_SET, os.SEEK_CUR, os.SEEK_END):
+            raise ValueError(f"invalid whence ({whence})")
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos}.get(whence)
-        self._pos = max(0, offset + (self._length() if base is None else base))
-        return self._pos
+        pos = offset + (self._length() if base is None else base)
+        if pos < 0:
+            raise OSError(errno.EINVAL, f"{self._key}: a seek to before its start")
+        self._pos = pos
+        return pos
 
     def _length(self) -> int:
         if self._size is None:
@@ -189,9 +196,7 @@ class _Object(io.RawIOBase):
         return self._size
 
     def readall(self) -> bytes:
-        if self._size is not None and self._pos >= self._size:
-            return b""
-        data = self._get(self._pos or None, None)
+        data = self._get(self._pos, None)
         self._pos += len(data)
         self._size = self._pos
         return data
@@ -201,29 +206,28 @@ class _Object(io.RawIOBase):
         stop = self._pos + len(view)
         if self._size is not None:
             stop = min(stop, self._size)
-        if stop <= self._pos:
-            return 0
-        try:
-            data = self._get(self._pos, stop)
-        except FileNotFoundError:
-            raise
-        except OSError:  # a range from the end on (the store refuses it) reads nothing
-            if self._size is not None or self._pos < self._length():
-                raise
-            return 0
+        data = self._get(self._pos, stop)
         view[: len(data)] = data
         self._pos += len(data)
         if self._pos < stop:  # fewer bytes than asked: the end
             self._size = self._pos
         return len(data)
 
-    def _get(self, start: int | None, stop: int | None) -> bytes:
+    def _get(self, start: int, stop: int | None) -> bytes:
+        """Bytes [start, stop) (None: to the end), fewer at the end, none from the end on."""
+        if (stop is not None and stop <= start) or (self._size is not None and start >= self._size):
+            return b""
         try:
-            return self._fs.cat_file(self._key, start=start, end=stop)
-        except OSError:
+            data = self._fs.cat_file(self._key, start=start or None, end=stop)
+        except FileNotFoundError:
             raise
-        except Exception as e:  # the store's own (gcsfs: HttpError): a read that failed
+        except Exception as e:  # the store's own (gcsfs: HttpError), or OSError
+            if self._size is None and start >= self._length():  # a range from the end on
+                return b""
             raise OSError(f"{self._key}: {e}") from e
+        if stop is not None and len(data) > stop - start:
+            raise OSError(f"{self._key}: {len(data)} bytes for a range of {stop - start}")
+        return data
 
 
 def _filesystem(url: Any) -> tuple[Any, str]:

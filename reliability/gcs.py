@@ -119,7 +119,7 @@ def requests(log: Path, since: int = 0) -> list[tuple[str, str]]:
         obj = _OBJECT.fullmatch(path)
         if method == "GET" and re.fullmatch(r"/storage/v1/b/[^/]+/o/?", path):
             kind, name = "list", params.get("prefix", "")
-        elif method == "GET" and ("alt" in params or path.startswith("/download/")):
+        elif method == "GET" and (params.get("alt") == "media" or path.startswith("/download/")):
             kind = "read"
         elif method in ("GET", "HEAD"):
             kind = "metadata"

@@ -305,7 +305,11 @@ def test_a_file_on_gcs_is_read_in_one_request_a_read_and_none_to_open(gcs_dir, g
         f.read()
     (root / "a/empty").write_bytes(b"")
     with _storage.open_inside(root, "a/empty") as f:  # a range the store refuses: the end
-        assert f.read(10) == b"" and f.read(10) == b""
+        assert f.read(10) == b"" and f.read(10) == b"" and f.read() == b""
+    with _storage.open_inside(root, "a/b.bin") as f:
+        assert f.seek(-10, os.SEEK_END) == 190 and f.read() == bytes(range(190, 200))
+        with pytest.raises(OSError, match="before its start"):
+            f.seek(-1)
 
 
 def test_a_restore_from_gcs_reads_no_others_array_metadata_and_stats_no_packed_file(
