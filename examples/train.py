@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="YAML file of Config fields (configs/*.yaml)")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (omit: no checkpoints)")
+    parser.add_argument(
+        "--ckpt-dir", help="checkpoint directory, local, gs:// or s3:// (omit: no checkpoints)"
+    )
     parser.add_argument("--save-every", type=int, default=10, help="save every N steps")
     parser.add_argument(
         "--save-every-seconds", type=float, help="also save when this long has passed"

@@ -339,4 +339,45 @@ def _add_chunk_checksum(tspec: dict[str, Any]) -> None:
                 codecs.append(dict(CHUNK_CHECKSUM))
 
 
+def s3_kvstores() -> None:
+    """Orbax reads and writes s3:// directories through tensorstore's s3 driver from now on.
+
+    Orbax builds the kvstore spec of every folder it reads or writes in one function, which
+    knows only gs:// and local paths (google/orbax#359): an s3:// path was refused as a
+    relative local one. That function is wrapped once: an s3:// directory's spec is built
+    as the gs:// one of the same bucket and key (OCDBT over an object store: no file locks,
+    Orbax's read coalescing), then each GCS driver in it becomes `_storage.s3_kvstore`'s."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    build = tensorstore_utils.build_kvstore_tspec
+    if getattr(build, "_jaxckpt_s3", False):
+        return
+
+    @functools.wraps(build)
+    def with_s3(directory: Any, *args: Any, **kwargs: Any) -> Any:
+        text = str(directory)
+        if not text.startswith("s3://"):
+            return build(directory, *args, **kwargs)
+        return _gcs_to_s3(build(f"gs://{text.removeprefix('s3://')}", *args, **kwargs))
+
+    with_s3._jaxckpt_s3 = True  # type: ignore[attr-defined]
+    tensorstore_utils.build_kvstore_tspec = with_s3
+
+
+def _gcs_to_s3(spec: Any) -> Any:
+    """A kvstore spec with each of its GCS drivers (`{"driver": "gcs", "bucket", "path"}`)
+    replaced by the s3 one of the same bucket and path."""
+    from jaxckpt._storage import s3_kvstore
+
+    if isinstance(spec, list):
+        return [_gcs_to_s3(s) for s in spec]
+    if not isinstance(spec, dict):
+        if isinstance(spec, str) and spec.startswith("gs://"):
+            raise ValueError(f"an Orbax kvstore spec names {spec!r}: no s3:// for it")
+        return spec
+    if spec.get("driver") in ("gcs", "gcs_grpc"):
+        return s3_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")
+    return {key: _gcs_to_s3(value) for key, value in spec.items()}
+
+
 # --- end of Orbax's and JAX's internals -------------------------------------------------

@@ -4,10 +4,11 @@ Local disk: an advisory `flock` on `<directory>/.jaxckpt-writer.lock`, which the
 when its holder dies. The file's text names the holder (host, pid, since); a second writer is
 refused with that name, and a lock left by a dead process is free again at once.
 
-Object storage (gs://) has no locks, so the writer holds a *lease*: the same object, created
-only if absent and rewritten only if unchanged since the holder's last write (GCS
-`ifGenerationMatch` preconditions, atomic on the server), renewed by a thread every quarter
-of its term. A second writer is refused while the lease is renewed. A lease left unrenewed
+Object storage (gs://, s3://) has no locks, so the writer holds a *lease*: the same object,
+created only if absent and rewritten only if unchanged since the holder's last write
+(conditions the server decides, atomically: GCS `ifGenerationMatch`, S3 `If-None-Match: *`
+and `If-Match: <ETag>`; `_storage.lease_object`), renewed by a thread every quarter of its
+term. A second writer is refused while the lease is renewed. A lease left unrenewed
 for its whole term (its holder died or froze) is taken over by the next writer, judged by
 the server's clock, so host clocks do not matter. A writer that lost its lease (it froze
 for longer than the term and another took over) finds out before its next save starts and
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt._layout import LOCK_FILE
-from jaxckpt._storage import file_kind, gcs_blob, is_remote
+from jaxckpt._storage import Conflict, file_kind, is_remote, lease_object
 from jaxckpt.errors import LockedError
 
 log = logging.getLogger("jaxckpt")
@@ -44,7 +45,7 @@ def writer_lock(directory: str | os.PathLike, lease_s: float) -> WriterLock | Ob
     text = str(directory)
     if not is_remote(text):
         return WriterLock(directory)
-    if text.startswith("gs://"):
+    if lease_object(text) is not None:
         return ObjectLease(text, lease_s)
     log.warning("no writer lock on %s: two jobs writing there are not stopped", text)
     return None
@@ -128,7 +129,11 @@ class ObjectLease:
         self.path = f"{self.directory}/{LOCK_FILE}"
         self.lease_s = float(lease_s)
         self._me = {**_me(), "lease_s": self.lease_s, "id": uuid.uuid4().hex}
-        self._generation: int | None = None
+        found = lease_object(self.path)
+        if found is None:
+            raise ValueError(f"no conditional writes on {self.path}")
+        self._object = found
+        self._version: Any = None  # the store's version of our last accepted write
         self._renewed = 0.0  # time.monotonic() of the last write the server accepted
         self._lost: str | None = None
         self._mutex = threading.Lock()
@@ -136,13 +141,11 @@ class ObjectLease:
         self._renewer: threading.Thread | None = None
 
     def acquire(self) -> None:
-        from google.api_core.exceptions import PreconditionFailed
-
         for _ in range(3):  # a lease released or taken over meanwhile: look again
             try:
-                self._write(if_generation_match=0)
+                self._write(None)
                 break
-            except PreconditionFailed:
+            except Conflict:
                 if self._take_over_if_expired():
                     break
         else:
@@ -163,60 +166,55 @@ class ObjectLease:
             )
 
     def release(self) -> None:
-        from google.api_core.exceptions import GoogleAPICallError
-
         if self._renewer is None:
             return
         self._stop.set()
         self._renewer.join()
         self._renewer = None
         if self._lost is None:
-            try:  # only our own lease: a newer generation is someone else's
-                gcs_blob(self.path).delete(if_generation_match=self._generation)
-            except GoogleAPICallError as e:
+            try:  # only our own lease: a newer version is someone else's
+                self._object.delete(self._version)
+            except (Conflict, OSError) as e:
                 log.warning("could not release the writer lease %s: %s", self.path, e)
 
     def _confirm(self) -> None:
         """Asks the server whether the lease is still ours; records who has it if not."""
-        from google.api_core.exceptions import NotFound
-
-        with self._mutex:  # never between a renewal's write and its new generation
-            current = self._current()
-            if current is not None and current.generation == self._generation:
+        with self._mutex:  # never between a renewal's write and its new version
+            current = self._object.current()
+            if current is not None and current[0] == self._version:
                 return
-            try:
-                self._lost = _describe(current.download_as_bytes()) if current else "nobody"
-            except NotFound:
-                self._lost = "nobody"
+            raw = None if current is None else self._object.read(current[0])
+            self._lost = "nobody" if raw is None else _describe(raw)
 
-    def _write(self, *, if_generation_match: int) -> None:
+    def _write(self, version: Any) -> None:
+        """Our lease written: created (`version` None) or replaced if still at `version`."""
         with self._mutex:
-            blob = gcs_blob(self.path)
-            blob.upload_from_string(
-                json.dumps(self._me), "application/json", if_generation_match=if_generation_match
-            )
-            self._generation = blob.generation
+            # Each write's bytes differ (its count): an S3 version is the ETag, a hash of them.
+            self._me["writes"] = self._me.get("writes", 0) + 1
+            data = json.dumps(self._me).encode()
+            if version is None:
+                self._version = self._object.create(data)
+            else:
+                self._version = self._object.replace(data, version)
             self._renewed = time.monotonic()
 
     def _take_over_if_expired(self) -> bool:
         """Takes the lease over once its holder lets it expire, waiting for that at most
         the rest of its term. Raises LockedError if the holder renews it meanwhile (a live
         writer); False if it was released or changed hands meanwhile (look again)."""
-        from google.api_core.exceptions import NotFound, PreconditionFailed
-
-        current = self._current()
+        current = self._object.current()
         if current is None:
             return False
-        try:
-            raw = current.download_as_bytes(if_generation_match=current.generation)
-        except (NotFound, PreconditionFailed):
+        version, updated = current
+        raw = self._object.read(version)
+        if raw is None:
             return False
         holder = _parse(raw)
         if holder.get("id") == self._me["id"]:  # our own create, retried by the client
-            self._generation, self._renewed = current.generation, time.monotonic()
+            self._version, self._renewed = version, time.monotonic()
             return True
         term = float(holder.get("lease_s", self.lease_s))
-        idle = (self._server_now() - current.updated).total_seconds()
+        idle = (self._object.server_now() - updated).total_seconds()
         if idle < term:
             # A live holder renews every term/4; a dead one lets the lease run out.
             log.info(
@@ -228,14 +226,14 @@ class ObjectLease:
             deadline = time.monotonic() + term - idle
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, term / 16, 1.0))
-                now = self._current()
+                now = self._object.current()
                 if now is None:
                     return False
-                if now.generation != current.generation:
+                if now[0] != version:
                     raise _refused(self.directory, f"{_describe(raw)}, which holds its lease")
         try:
-            self._write(if_generation_match=current.generation)
-        except PreconditionFailed:
+            self._write(version)
+        except Conflict:
             return False
         log.warning(
             "took over the writer lease of %s, which was not renewed for %.0f s",
@@ -244,32 +242,16 @@ class ObjectLease:
         )
         return True
 
-    def _current(self) -> Any:
-        """The lease object's metadata as the server has it now; None if there is none."""
-        blob = gcs_blob(self.path)
-        return blob.bucket.get_blob(blob.name)
-
-    def _server_now(self) -> datetime.datetime:
-        """The storage server's clock: the creation time of a probe object."""
-        probe = gcs_blob(f"{self.path}.probe-{self._me['id']}")
-        probe.upload_from_string(b"")
-        try:
-            return probe.time_created
-        finally:
-            probe.delete()
-
     def _renew(self) -> None:
-        from google.api_core.exceptions import GoogleAPICallError, PreconditionFailed
-
         while not self._stop.wait(self.lease_s / 4):
-            if (generation := self._generation) is None:  # (never: it starts once taken)
+            if (version := self._version) is None:  # (never: it starts once taken)
                 return  # no unconditional write: it would overwrite another writer's lease
             try:
-                self._write(if_generation_match=generation)
-            except PreconditionFailed:
+                self._write(version)
+            except Conflict:
                 self._confirm()  # records who has it now
                 return
-            except GoogleAPICallError as e:  # transient: the next renewal tries again
+            except OSError as e:  # transient: the next renewal tries again
                 log.warning("could not renew the writer lease %s: %s", self.path, e)
 
 

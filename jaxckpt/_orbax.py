@@ -177,6 +177,8 @@ class OrbaxStore:
         )
         if not read_only:
             _internals.checksummed(self.directory)
+        if str(self.directory).startswith("s3://"):
+            _internals.s3_kvstores()
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(
@@ -189,6 +191,13 @@ class OrbaxStore:
             create=not read_only,
             read_only=read_only,
             step_name_format=_UnlistedSteps(),
+            # No rename on object storage: a step (and each item) is written in place and
+            # committed by a commit_success.txt written last (Orbax's own way on gs://).
+            atomicity_options=ocp.options.AtomicityOptions(
+                mode=ocp.options.AtomicityMode.COMMIT_FILE
+                if is_remote(self.directory)
+                else ocp.options.AtomicityMode.AUTO
+            ),
             # jaxckpt removes unfinished saves' leftovers itself (below), in its deleter.
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
@@ -424,7 +433,7 @@ class OrbaxStore:
         if info.orbax is None and to_read and not (self.step_dir(step) / item).exists():
             # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
             name, request = next(iter(to_read.items()))
-            _check_read(step, item, name, None, request, self.directory)
+            _transfer.check_read(step, item, name, None, request, self.directory)
         # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
         # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
         # thousands of leaves under it took 2.5x longer.)
@@ -442,7 +451,7 @@ class OrbaxStore:
                 else:
                     got = _orbax_steps.read_batch(path, tree, {n: to_read[n] for n in batch})
             for name in batch:
-                _check_read(step, item, name, got.get(name), to_read[name], self.directory)
+                _transfer.check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
         return out
 
@@ -554,25 +563,6 @@ class OrbaxStore:
         except Exception as e:
             log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
             return False
-
-
-def _check_read(
-    step: int, item: str, name: str, value: Any, request: ReadRequest, directory: epath.Path
-) -> None:
-    """A leaf read must be what jaxckpt.json records (Orbax hands back the request itself
-    for a leaf the arrays lack, and a host array in its stored shape)."""
-    if isinstance(value, np.ndarray | jax.Array) and value.shape == request.shape:
-        return
-    found = (
-        f"stored with shape {value.shape}"
-        if isinstance(value, np.ndarray | jax.Array)
-        else "not among the stored arrays"
-    )
-    raise CorruptCheckpointError(
-        step,
-        [f"{item} leaf {name!r} is {found}, but {_layout.INFO_PATH} records shape {request.shape}"],
-        str(directory),
-    )
 
 
 def _registry(array_metadata: bool = True) -> ocp.type_handlers.TypeHandlerRegistry:

@@ -1,9 +1,12 @@
-"""What differs between a local directory and object storage (`gs://bucket/prefix`).
+"""What differs between a local directory and object storage (`gs://bucket/prefix`,
+`s3://bucket/prefix`), and between the two stores.
 
 Object stores have no rename (a "rename" copies every object), no advisory locks, and an
-object appears whole or not at all. Modules that must act differently ask `is_remote`;
-`gcs_blob` gives the google-cloud-storage handle for the few operations epath lacks
-(conditional writes for the writer lease).
+object appears whole or not at all. Modules that must act differently ask `is_remote`.
+Listings and small files go through fsspec (gcsfs, s3fs: epath's backends too); the
+conditional writes of the writer lease, which fsspec lacks, through each store's own SDK
+(`lease_object`: google-cloud-storage, boto3); tensorstore's kvstore of an s3:// folder is
+`s3_kvstore`'s. S3 is configured the way every AWS tool is (`s3_config`).
 
 Every request to object storage counts at pod scale, where each process makes it: a
 listing here is one request per 1,000 names (a folder's whole tree in one), and a file is
@@ -13,11 +16,16 @@ its metadata, a listing to tell it from a folder, ...).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import datetime
+import email.utils
 import errno
 import functools
 import io
 import os
 import stat
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,33 +38,31 @@ try:
     # only for its own writes, so steps committed by other processes, tensorstore writes
     # and deletes through other clients went unseen by `iterdir` and `exists`. jaxckpt
     # needs the bucket's current state (an explicit user setting is kept).
-    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
-except ImportError:  # no gs:// support installed
+    # s3fs the same.
+    for _protocol in ("gcs", "s3"):
+        fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
+except ImportError:  # no object-storage support installed
     pass
 
 
 def is_remote(path: str | os.PathLike) -> bool:
-    """True for object-storage URLs (`gs://...`), False for local paths."""
+    """True for object-storage URLs (`gs://...`, `s3://...`), False for local paths."""
     return "://" in str(path)
 
 
 def absolute(path: Any) -> Any:
-    """A local path made absolute, once, where a directory enters jaxckpt; URLs unchanged.
+    """A local path made absolute, once, where a directory enters jaxckpt; URLs unchanged
+    (an s3:// one configures s3fs first: `s3_config`).
 
     Orbax and tensorstore take only absolute paths, and refused a relative one late: at the
     background write of the first save (raised by the next save or close), or as a raw
     error on restore. Resolved at the boundary, a later `os.chdir` cannot move it either.
     """
     if is_remote(path):
+        if str(path).startswith("s3://"):
+            s3_config()
         return path
     return os.path.abspath(os.fspath(path))
-
-
-def gcs_blob(path: str | os.PathLike) -> Any:
-    """The `google.cloud.storage.Blob` at `gs://bucket/name` (only the writer lease, made
-    for gs:// directories alone, asks for one)."""
-    bucket, _, name = str(path).removeprefix("gs://").partition("/")
-    return _client().bucket(bucket).blob(name)
 
 
 def entries(directory: Any) -> list[tuple[str, str]]:
@@ -218,7 +224,9 @@ class _Object(io.RawIOBase):
         if (stop is not None and stop <= start) or (self._size is not None and start >= self._size):
             return b""
         try:
-            data = self._fs.cat_file(self._key, start=start or None, end=stop)
+            # (s3fs asks for the size of an object read whole, to read it in parallel parts)
+            one = {"max_concurrency": 1} if "s3" in self._fs.protocol else {}
+            data = self._fs.cat_file(self._key, start=start or None, end=stop, **one)
         except FileNotFoundError:
             raise
         except Exception as e:  # the store's own (gcsfs: HttpError), or OSError
@@ -233,11 +241,183 @@ class _Object(io.RawIOBase):
 def _filesystem(url: Any) -> tuple[Any, str]:
     """The fsspec filesystem of an object-storage URL and the path in it (bucket/key)."""
     protocol, _, key = str(url).partition("://")
+    if protocol == "s3":
+        s3_config()
     return fsspec.filesystem(protocol), key
 
 
+def _bucket_and_key(url: Any) -> tuple[str, str]:
+    return str(url).partition("://")[2].partition("/")[::2]
+
+
+# ------------------------------------------------------------------------------------ S3
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Config:
+    """Where S3 requests go, as the AWS SDK resolves it (read once a process).
+
+    `endpoint`: a custom endpoint (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or a profile's
+    `endpoint_url`), None for AWS's own. `region`: `AWS_REGION`, `AWS_DEFAULT_REGION` or the
+    profile's; None: the store's default. `addressing_style`: the profile's `s3.addressing_style`,
+    else "path" for a custom endpoint (MinIO, Ceph and most S3-compatible stores serve no
+    bucket-named hosts), else None (the SDK's choice). Credentials are the SDK's chain
+    (variables, `AWS_PROFILE` and its files, the instance's role): never read here.
+    """
+
+    endpoint: str | None
+    region: str | None
+    addressing_style: str | None
+
+
+# The variables that change where S3 requests go (`s3_config` is resolved again if one does).
+_S3_VARIABLES = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_CONFIG_FILE",
+)
+
+
+def s3_config() -> S3Config:
+    """The S3 configuration (`S3Config`) of the environment now; s3fs (epath's s3://
+    backend too) is set to use it."""
+    return _s3_config(tuple(os.environ.get(name) for name in _S3_VARIABLES))
+
+
 @functools.cache
-def _client() -> Any:
+def _s3_config(variables: tuple[str | None, ...]) -> S3Config:
+    try:
+        import boto3
+        import botocore.exceptions
+        import botocore.session
+        import s3fs  # noqa: F401  (epath's backend for s3:// paths)
+    except ImportError as e:
+        raise ConfigError("s3:// directories need s3fs and boto3: pip install 'jaxckpt[s3]'") from e
+    core = botocore.session.get_session()
+    try:
+        session = boto3.session.Session(botocore_session=core)
+        url = session.client("s3").meta.endpoint_url
+        profile = core.get_scoped_config().get("s3")
+    except botocore.exceptions.BotoCoreError as e:  # a profile named but not there, ...
+        raise ConfigError(f"the AWS configuration cannot be used for s3:// directories: {e}") from e
+    custom = not (urllib.parse.urlsplit(url).hostname or "").endswith(".amazonaws.com")
+    style = (profile if isinstance(profile, dict) else {}).get("addressing_style")
+    style = style or ("path" if custom else None)
+    if style is not None:  # (an explicit setting is kept)
+        fsspec.config.conf["s3"].setdefault("config_kwargs", {"s3": {"addressing_style": style}})
+    return S3Config(url if custom else None, session.region_name, style)
+
+
+def s3_kvstore(url: str) -> dict[str, Any]:
+    """tensorstore's kvstore spec of an s3:// folder or object, with `s3_config`'s endpoint
+    and region (tensorstore's s3 driver reads neither from the environment; it reads the
+    credentials itself, through the same chain)."""
+    bucket, key = _bucket_and_key(url)
+    config = s3_config()
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
+    if config.endpoint is not None:
+        spec["endpoint"] = config.endpoint
+    if config.region is not None:
+        spec["aws_region"] = config.region
+    return spec
+
+
+# ------------------------------------------------------------ the writer lease's object
+
+
+class Conflict(Exception):
+    """A conditional write or delete the store refused: the object exists (a create) or
+    changed since the version given."""
+
+
+class _LeaseObject:
+    """One object written only on a condition the store decides (the writer lease,
+    `jaxckpt._lock.ObjectLease`): `create` if absent, `replace`/`delete` if unchanged since
+    `version` (Conflict otherwise). A version is opaque (a GCS generation, an S3 ETag).
+    Any other error of the store is OSError."""
+
+    def create(self, data: bytes) -> Any:
+        raise NotImplementedError
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        raise NotImplementedError
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        """The object's version and when it was last written, by the store's clock; None
+        if there is none."""
+        raise NotImplementedError
+
+    def read(self, version: Any) -> bytes | None:
+        """The object's bytes if it is still at `version`; None if it changed or is gone."""
+        raise NotImplementedError
+
+    def delete(self, version: Any) -> None:
+        raise NotImplementedError
+
+    def server_now(self) -> datetime.datetime:
+        """The store's clock now (host clocks do not matter)."""
+        raise NotImplementedError
+
+
+def lease_object(url: str) -> _LeaseObject | None:
+    """The object at `url` for a lease, on a store that has conditional writes (gs://,
+    s3://); None on any other."""
+    if url.startswith("gs://"):
+        return _GcsObject(url)
+    if url.startswith("s3://"):
+        return _S3Object(url)
+    return None
+
+
+class _GcsObject(_LeaseObject):
+    """Generation preconditions (`ifGenerationMatch`, 0: absent)."""
+
+    def __init__(self, url: str):
+        self._bucket, self._name = _bucket_and_key(url)
+
+    def _blob(self) -> Any:
+        return _gcs_client().bucket(self._bucket).blob(self._name)
+
+    def create(self, data: bytes) -> Any:
+        return self.replace(data, 0)
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        blob = self._blob()
+        with _gcs_errors():
+            blob.upload_from_string(data, "application/json", if_generation_match=version)
+        return blob.generation
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        with _gcs_errors():
+            blob = _gcs_client().bucket(self._bucket).get_blob(self._name)
+        return None if blob is None else (blob.generation, blob.updated)
+
+    def read(self, version: Any) -> bytes | None:
+        try:
+            with _gcs_errors():
+                return bytes(self._blob().download_as_bytes(if_generation_match=version))
+        except (Conflict, FileNotFoundError):
+            return None
+
+    def delete(self, version: Any) -> None:
+        with _gcs_errors():
+            self._blob().delete(if_generation_match=version)
+
+    def server_now(self) -> datetime.datetime:
+        probe = _gcs_client().bucket(self._bucket).blob(f"{self._name}.probe-{os.urandom(8).hex()}")
+        with _gcs_errors():
+            probe.upload_from_string(b"")
+            try:
+                return probe.time_created
+            finally:
+                probe.delete()
+
+
+@functools.cache
+def _gcs_client() -> Any:
     try:
         from google.cloud import storage
     except ImportError as e:
@@ -246,3 +426,96 @@ def _client() -> Any:
         ) from e
     # STORAGE_EMULATOR_HOST (an emulator) is honoured by the client itself.
     return storage.Client()
+
+
+@contextlib.contextmanager
+def _gcs_errors() -> Iterator[None]:
+    """google-cloud-storage's errors as `_LeaseObject`'s."""
+    from google.api_core import exceptions
+
+    try:
+        yield
+    except exceptions.PreconditionFailed as e:
+        raise Conflict(str(e)) from e
+    except exceptions.NotFound as e:
+        raise FileNotFoundError(str(e)) from e
+    except exceptions.GoogleAPICallError as e:
+        raise OSError(str(e)) from e
+
+
+class _S3Object(_LeaseObject):
+    """S3's conditional writes: `If-None-Match: *` to create, `If-Match: <ETag>` to
+    replace or delete (AWS since 2024; MinIO, Ceph and moto have them too)."""
+
+    def __init__(self, url: str):
+        self._bucket, self._key = _bucket_and_key(url)
+
+    def create(self, data: bytes) -> Any:
+        with _s3_errors():
+            return self._put(data, IfNoneMatch="*")
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        with _s3_errors():
+            return self._put(data, IfMatch=version)
+
+    def _put(self, data: bytes, **condition: str) -> Any:
+        put = _s3_client().put_object
+        return put(Bucket=self._bucket, Key=self._key, Body=data, **condition)["ETag"]
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        try:
+            with _s3_errors():
+                found = _s3_client().head_object(Bucket=self._bucket, Key=self._key)
+        except FileNotFoundError:
+            return None
+        return found["ETag"], found["LastModified"]
+
+    def read(self, version: Any) -> bytes | None:
+        try:
+            with _s3_errors():
+                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+                return bytes(got["Body"].read())
+        except (Conflict, FileNotFoundError):
+            return None
+
+    def delete(self, version: Any) -> None:
+        with _s3_errors():
+            _s3_client().delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+
+    def server_now(self) -> datetime.datetime:
+        with _s3_errors():
+            found = _s3_client().head_bucket(Bucket=self._bucket)
+        return email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
+
+
+def _s3_client() -> Any:
+    return _s3_client_for(s3_config())
+
+
+@functools.cache
+def _s3_client_for(config: S3Config) -> Any:
+    import boto3
+    import botocore.config
+
+    style = config.addressing_style
+    config = botocore.config.Config(s3={"addressing_style": style} if style else None)
+    return boto3.session.Session().client("s3", config=config)
+
+
+@contextlib.contextmanager
+def _s3_errors() -> Iterator[None]:
+    """boto3's errors as `_LeaseObject`'s: 412 (and 409, a conditional write that raced
+    another) Conflict, 404 FileNotFoundError, any other OSError."""
+    import botocore.exceptions
+
+    try:
+        yield
+    except botocore.exceptions.ClientError as e:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status in (409, 412):
+            raise Conflict(str(e)) from e
+        if status == 404:
+            raise FileNotFoundError(str(e)) from e
+        raise OSError(str(e)) from e
+    except botocore.exceptions.BotoCoreError as e:
+        raise OSError(str(e)) from e

@@ -18,7 +18,7 @@ from etils import epath
 
 from jaxckpt import _packed
 from jaxckpt._internals import put_batched
-from jaxckpt._layout import StepInfo
+from jaxckpt._layout import INFO_PATH, StepInfo
 from jaxckpt._plan import read_batches
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
@@ -106,3 +106,22 @@ def empty(request: ReadRequest) -> Any:
 def on(sharding: jax.sharding.Sharding, host: np.ndarray) -> jax.Array:
     """A host array placed on `sharding` (on every process of a multi-process job)."""
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def check_read(
+    step: int, item: str, name: str, value: Any, request: ReadRequest, directory: epath.Path
+) -> None:
+    """A leaf read must be what jaxckpt.json records (Orbax hands back the request itself
+    for a leaf the arrays lack, and a host array in its stored shape)."""
+    if isinstance(value, np.ndarray | jax.Array) and value.shape == request.shape:
+        return
+    found = (
+        f"stored with shape {value.shape}"
+        if isinstance(value, np.ndarray | jax.Array)
+        else "not among the stored arrays"
+    )
+    raise CorruptCheckpointError(
+        step,
+        [f"{item} leaf {name!r} is {found}, but {INFO_PATH} records shape {request.shape}"],
+        str(directory),
+    )

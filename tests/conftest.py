@@ -1,17 +1,21 @@
 """Test set-up: 8 CPU devices, before anything touches a device."""
 
+import dataclasses
 import os
+import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import pytest
 
-from reliability import gcs, launch
+from reliability import gcs, launch, s3
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
+os.environ.update(s3.LOOPBACK_ENV)  # before boto3 or s3fs make a client
 # The dispositions the preemption tests (and their children, which inherit them) rely on,
 # whatever this process inherited: a job started in the background of a non-interactive
 # shell ignores SIGINT (Python then installs no KeyboardInterrupt), and a runner may ignore
@@ -52,28 +56,74 @@ def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
 
 
-@pytest.fixture(scope="session")
-def gcs_log(tmp_path_factory):
-    """The GCS emulator's log: a line per request (`reliability.gcs.requests` reads it)."""
-    return tmp_path_factory.mktemp("gcs") / "server.log"
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A bucket on a real object-storage server on 127.0.0.1, for this test session."""
+
+    url: str  # gs://jaxckpt-test or s3://jaxckpt-test
+    log: Path  # the server's log: a line per request
+    parse: Callable[..., list[tuple[str, str]]]  # (log, since) -> [(kind, object)]
+
+    def requests(self, since: int) -> list[tuple[str, str]]:
+        """The requests made since byte `since` of the log (`mark`), as (kind, object)."""
+        return self.parse(self.log, since)
+
+    def mark(self) -> int:
+        return self.log.stat().st_size
 
 
 @pytest.fixture(scope="session")
-def gcs_bucket(gcs_log):
-    """gs://jaxckpt-test on a real GCS emulator on 127.0.0.1, for this test session."""
-    proc, url = gcs.start(gcs_log, log_level="info")
+def gcs_server(tmp_path_factory):
+    """gs://jaxckpt-test on a real GCS emulator (fake-gcs-server)."""
+    log = tmp_path_factory.mktemp("gcs") / "server.log"
+    proc, url = gcs.start(log, log_level="info")
     patch = pytest.MonkeyPatch()
     for key, value in gcs.point_at(url).items():
         patch.setenv(key, value)
-    yield f"gs://{gcs.BUCKET}"
+    yield Bucket(f"gs://{gcs.BUCKET}", log, gcs.requests)
     patch.undo()
     gcs.stop(proc)
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """s3://jaxckpt-test on a real S3 server (moto's)."""
+    log = tmp_path_factory.mktemp("s3") / "server.log"
+    proc, url = s3.start(log)
+    patch = pytest.MonkeyPatch()
+    for key, value in s3.point_at(url).items():
+        patch.setenv(key, value)
+    yield Bucket(f"s3://{s3.BUCKET}", log, s3.requests)
+    patch.undo()
+    s3.stop(proc)
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request):
+    """Each object store in turn: a test taking it holds on gs:// and on s3:// alike."""
+    return request.getfixturevalue({"gs": "gcs_server", "s3": "s3_server"}[request.param])
+
+
+def _prefix(bucket: Bucket, request) -> str:
+    """A fresh prefix per test (no glob characters: fsspec would expand them)."""
+    return f"{bucket.url}/{re.sub(r'[^A-Za-z0-9_.-]', '-', request.node.name)}"
+
+
 @pytest.fixture
-def gcs_dir(gcs_bucket, request):
+def bucket_dir(bucket, request):
+    """A fresh prefix per test, on each object store in turn."""
+    return _prefix(bucket, request)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+    return gcs_server.url
+
+
+@pytest.fixture
+def gcs_dir(gcs_server, request):
     """A fresh gs:// prefix per test."""
-    return f"{gcs_bucket}/{request.node.name}"
+    return _prefix(gcs_server, request)
 
 
 def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):

@@ -27,7 +27,7 @@ CPU8 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_c
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:(.*?)-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*\{?\s*\.?([\w+-]*)[^`]*$")
 PATHS = re.compile(r"""(["'])/(ckpt|mnt)/""")
-BUCKETS = re.compile(r"""(["'])gs://(?:my-)?bucket/""")
+BUCKETS = re.compile(r"""(["'])(gs|s3)://(?:my-)?bucket/""")  # run on the test servers
 # Pages whose samples a test of their own runs (more than once, with other checks).
 OWN_TEST = {"guide.md", "equinox.md"}
 # What a page's output must hold: what its samples print.
@@ -74,22 +74,23 @@ def python_blocks(page: Path) -> list[Block]:
     return [b for b in blocks(page.read_text()) if b.language in ("python", "py")]
 
 
-def script(page: Path, tmp_path: Path, bucket: str | None = None) -> str:
-    """The page's runnable Python blocks as one script, its paths the test's own."""
+def script(page: Path, tmp_path: Path, buckets: dict[str, str] | None = None) -> str:
+    """The page's runnable Python blocks as one script, its paths the test's own (its
+    buckets, of each scheme, `buckets`')."""
     parts = []
     for block in python_blocks(page):
         if block.not_run is None:
             parts.append(f"# --- {page.name}, line {block.line}\n{block.code}")
     code = PATHS.sub(lambda m: f"{m[1]}{tmp_path}/{m[2]}/", "\n".join(parts))
-    if bucket is not None:
-        code = BUCKETS.sub(lambda m: f"{m[1]}{bucket}/{page.stem}/", code)
+    if buckets:
+        code = BUCKETS.sub(lambda m: f"{m[1]}{buckets[m[2]]}/{page.stem}/", code)
     return code
 
 
-def run_page(page: Path, tmp_path: Path, bucket: str | None = None, **kwargs):
+def run_page(page: Path, tmp_path: Path, buckets: dict[str, str] | None = None, **kwargs):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"sample_{page.stem}.py"  # never a module name (equinox.py)
-    path.write_text(script(page, tmp_path, bucket))
+    path.write_text(script(page, tmp_path, buckets))
     return run_python(str(path), env=CPU8, **kwargs)
 
 
@@ -112,9 +113,12 @@ def test_every_docs_page_is_in_the_nav_and_the_samples_are_recognised():
 def test_page_samples_run(page, tmp_path, request):
     """Every page with Python samples: they run, in order, as printed."""
     path = DOCS / page
-    uses_gcs = BUCKETS.search(path.read_text()) is not None
-    bucket = request.getfixturevalue("gcs_bucket") if uses_gcs else None
-    proc = run_page(path, tmp_path, bucket)
+    servers = {"gs": "gcs_server", "s3": "s3_server"}
+    buckets = {
+        scheme: request.getfixturevalue(servers[scheme]).url
+        for scheme in {m[2] for m in BUCKETS.finditer(path.read_text())}
+    }
+    proc = run_page(path, tmp_path, buckets)
     for text in PRINTS.get(page, []):
         assert text in proc.stdout, proc.stdout[-3000:]
 

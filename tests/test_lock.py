@@ -222,34 +222,34 @@ def test_a_save_committed_under_its_removal_is_whole_or_absent(ckpt):
 # -------------------------------------------------------------- the lease (object storage)
 
 
-def test_a_second_writer_on_gcs_is_refused_while_the_first_renews_its_lease(gcs_dir):
+def test_a_second_writer_on_object_storage_is_refused_while_the_first_renews_its_lease(bucket_dir):
     state = {"x": np.arange(100, dtype=np.float32)}
     # A term long enough that no renewal is missed on a loaded machine: nothing here waits
     # for one to pass (a 2 s term lapsed there, and the second writer took over).
-    first = jaxckpt.CheckpointManager(gcs_dir, writer_lease_s=60)
+    first = jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=60)
     try:
         first.save(1, state=state)
         with pytest.raises(jaxckpt.errors.LockedError, match=f"pid {os.getpid()}"):
-            jaxckpt.CheckpointManager(gcs_dir)
-        with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+            jaxckpt.CheckpointManager(bucket_dir)
+        with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as reader:
             assert reader.all_steps() == [1]  # readers take no lease
         first.save(2, state=state)  # the refused writer changed nothing
         first.wait()
     finally:
         first.close()
-    assert not (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()  # released on close
-    with jaxckpt.CheckpointManager(gcs_dir) as m:  # at once: no waiting for a term
+    assert not (epath.Path(bucket_dir) / ".jaxckpt-writer.lock").exists()  # released on close
+    with jaxckpt.CheckpointManager(bucket_dir) as m:  # at once: no waiting for a term
         m.save(3, state=state)
         m.wait()
         assert m.all_steps() == [1, 2, 3]
 
 
-def test_writers_racing_for_a_gcs_lease_get_exactly_one(gcs_dir):
+def test_writers_racing_for_an_object_storage_lease_get_exactly_one(bucket_dir):
     """The server's precondition (create only if absent) decides: one of 8 simultaneous
     writers wins; the others see it renew and are refused."""
     start = threading.Barrier(8)
     outcomes = [None] * 8
-    leases = [ObjectLease(gcs_dir, 1.0) for _ in range(8)]
+    leases = [ObjectLease(bucket_dir, 1.0) for _ in range(8)]
 
     def contend(i):
         start.wait(timeout=30)
@@ -271,11 +271,11 @@ def test_writers_racing_for_a_gcs_lease_get_exactly_one(gcs_dir):
             lease.release()
 
 
-def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
+def test_a_frozen_writer_that_lost_its_object_storage_lease_never_writes_again(bucket_dir):
     holder = launch.start(
         "-m",
-        "children.gcs_holder",
-        gcs_dir,
+        "children.lease_holder",
+        bucket_dir,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -284,7 +284,7 @@ def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
     try:
         assert launch.readline(holder, timeout=180) == "holding\n"
         holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
-        with jaxckpt.CheckpointManager(gcs_dir) as m:  # waits for the term, then takes over
+        with jaxckpt.CheckpointManager(bucket_dir) as m:  # waits for the term, then takes over
             m.save(3, state={"x": np.zeros(100, np.float32)})
             m.wait()
             holder.send_signal(signal.SIGCONT)
@@ -293,7 +293,7 @@ def test_a_frozen_writer_that_lost_its_gcs_lease_never_writes_again(gcs_dir):
             assert f"pid {os.getpid()}" in out  # names the writer that has it now
             assert m.all_steps() == [1, 3]  # the frozen writer's step 2 never appeared
             # Its close left the new holder's lease alone.
-            assert (epath.Path(gcs_dir) / ".jaxckpt-writer.lock").exists()
+            assert (epath.Path(bucket_dir) / ".jaxckpt-writer.lock").exists()
             m.save(4, state={"x": np.zeros(100, np.float32)})
     finally:
         holder.kill()

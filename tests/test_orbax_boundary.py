@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 import jaxckpt
 from jaxckpt import _internals, _orbax
@@ -140,6 +141,26 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as plain:
         plain.save(tmp_path / "plain", args=ocp.args.PyTreeSave({"w": w}))
     assert "crc32c" not in _chunk_codecs(tmp_path / "plain")
+
+
+def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3_server):
+    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_internals.s3_kvstores) makes
+    # its specs of an s3:// folder tensorstore's s3 driver, for reads and writes alike.
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    directory = f"{s3_server.url}/boundary-kvstores"
+    w = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)  # 2 MiB: an Orbax array
+    with jaxckpt.CheckpointManager(directory) as m:
+        m.save(1, state={"w": w})
+    assert "manifest.ocdbt" in {p.name for p in (epath.Path(directory) / "1" / "state").iterdir()}
+    with jaxckpt.CheckpointManager(directory, read_only=True) as m:
+        assert np.asarray(m.restore().state["w"]).tobytes() == w.tobytes()
+    for ocdbt in (True, False):
+        spec = json.dumps(tensorstore_utils.build_kvstore_tspec("s3://b/k", use_ocdbt=ocdbt))
+        assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
+            "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
+            f"(or their GCS driver changed): update _internals.s3_kvstores. Got {spec}"
+        )
 
 
 def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():

@@ -1,8 +1,8 @@
-"""Holds the writer lease of a gs:// directory (2 s terms), says "holding", and saves step 2
-once a line comes on stdin; the parent (tests/test_gcs.py) freezes it in between, past its
-term. Prints "saved", or "refused: <the LockedError>".
+"""Holds the writer lease of a gs:// or s3:// directory (2 s terms), says "holding", and
+saves step 2 once a line comes on stdin; the parent (tests/test_lock.py) freezes it in
+between, past its term. Prints "saved", or "refused: <the LockedError>".
 
-    python -m children.gcs_holder GS_DIRECTORY
+    python -m children.lease_holder GS_OR_S3_DIRECTORY
 """
 
 import sys

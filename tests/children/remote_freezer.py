@@ -1,7 +1,7 @@
-"""Saves step 1 to gs://, starts a 64 MiB step 2 and stops itself (SIGSTOP) once its first
-objects are written: the parent (tests/test_gcs.py) kills it mid-save.
+"""Saves step 1 to object storage, starts a 64 MiB step 2 and stops itself (SIGSTOP) once
+its first objects are written: the parent (tests/test_object_storage.py) kills it mid-save.
 
-    python -m children.gcs_freezer GS_DIRECTORY
+    python -m children.remote_freezer GS_OR_S3_DIRECTORY
 """
 
 import os

@@ -1,7 +1,9 @@
-"""gs:// checkpoints against a real GCS emulator (fake-gcs-server on 127.0.0.1).
+"""Checkpoints on object storage, each test on gs:// and on s3:// alike: against real
+servers on 127.0.0.1 (fake-gcs-server, moto's S3 server; tests/conftest.py's `bucket`).
 
-The first steps of object-storage support: an async save and a resharded restore through
-Orbax's own GCS commit (a commit marker, no rename), and jaxckpt's manifest verified there.
+A step is committed without a rename (Orbax's commit marker, written last), deleted behind a
+tombstone, written by one leaseholder, read with requests that do not grow with the
+processes of a job, and exported and imported in place.
 """
 
 import json
@@ -14,57 +16,77 @@ import time
 import jax
 import numpy as np
 import pytest
+from children import multihost_checkpoints as job
 from click.testing import CliRunner
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from multihost import run_job
 
 import jaxckpt
 from jaxckpt import _storage, cli
-from reliability import faults, gcs, launch
+from reliability import faults, launch
 from reliability.stress import Tally, kill_trial
 
 
-def test_save_and_resharded_restore_on_gcs(mesh, gcs_dir):
+def test_save_and_resharded_restore_on_object_storage(mesh, bucket_dir):
     state = {
         "w": jax.device_put(
             np.arange(64 * 16, dtype=np.float32).reshape(64, 16), NamedSharding(mesh, P("data"))
         ),
         "step": 3,
     }
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
-        m.save(1, state=state, rng=jax.random.key(0), meta={"where": "gcs"})
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
+        m.save(1, state=state, rng=jax.random.key(0), meta={"where": "remote"})
         m.wait()
         assert m.all_steps() == [1]
     # Orbax commits on GCS with a marker file rather than a rename.
-    assert (epath.Path(gcs_dir) / "1" / "commit_success.txt").exists()
-    (report,) = jaxckpt.verify(gcs_dir)
+    assert (epath.Path(bucket_dir) / "1" / "commit_success.txt").exists()
+    (report,) = jaxckpt.verify(bucket_dir)
     assert report.ok and report.files > 3, report
 
     other = jax.make_mesh((2, 4), ("data", "model"))
     target = jaxckpt.target_on_mesh(jaxckpt.target_like(state), other, P("model", "data"))
-    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
         restored = m.restore(state=target)
     np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.asarray(state["w"]))
     assert restored.state["w"].sharding == NamedSharding(other, P("model", "data"))
-    assert restored.meta == {"where": "gcs"} and restored.state["step"] == 3
+    assert restored.meta == {"where": "remote"} and restored.state["step"] == 3
 
 
-def test_retention_on_gcs_deletes_old_steps_in_the_background(gcs_dir):
+def test_a_two_process_save_restores_on_two_processes_with_another_mesh(bucket_dir):
+    # Real jax.distributed processes (gloo on 127.0.0.1), each writing its shards to the
+    # bucket; then each of two new processes reads its half onto a (2, 4) mesh.
+    saved = run_job(job.save, processes=2, devices=4, args={"dir": bucket_dir})
+    assert [r.report() for r in saved] == [{"steps": [5]}] * 2
+    names = {p.name for p in (epath.Path(bucket_dir) / "5" / "data").iterdir()}
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= names
+    (report,) = jaxckpt.verify(bucket_dir)
+    assert report.ok, report
+    results = run_job(
+        job.plan_and_restore_onto_2_4, processes=2, devices=4, args={"dir": bucket_dir}
+    )
+    reports = [r.report() for r in results]
+    assert [r["position"] for r in reports] == [100, 101]
+    half = (64 * 16 * 4 + 16 * 4) // 2 + 8  # each reads its half of w and b, and the step
+    assert all(r["plan_reads"] == [half, half] for r in reports)
+
+
+def test_retention_on_object_storage_deletes_old_steps_in_the_background(bucket_dir):
     state = {"x": np.arange(1000, dtype=np.float32)}
     retention = jaxckpt.RetentionPolicy(keep_last=1)
-    with jaxckpt.CheckpointManager(gcs_dir, retention=retention) as m:
+    with jaxckpt.CheckpointManager(bucket_dir, retention=retention) as m:
         for step in (1, 2, 3):
             m.save(step, state=state)
         m.wait()
         assert m.all_steps() == [3]
-    names = sorted(p.name for p in epath.Path(gcs_dir).iterdir())
+    names = sorted(p.name for p in epath.Path(bucket_dir).iterdir())
     assert names == ["3"], names  # deleted steps are gone once the manager closed
-    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
         np.testing.assert_array_equal(m.restore().state["x"], state["x"])
 
 
-def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir):
+def test_slow_deletes_on_object_storage_never_block_a_save(bucket_dir):
     """Retention hides a step with a tombstone object and deletes it in the background: with
     the deleting thread stalled (an object store slow to delete), saves still commit."""
     stalled, release = threading.Event(), threading.Event()
@@ -75,9 +97,9 @@ def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir):
         return remove(path, *args)
 
     state = {"x": np.arange(1000, dtype=np.float32)}
-    root = epath.Path(gcs_dir)
+    root = epath.Path(bucket_dir)
     m = jaxckpt.CheckpointManager(
-        gcs_dir,
+        bucket_dir,
         retention=jaxckpt.RetentionPolicy(keep_last=1),
         store=faults.store(remove=slow_remove),
     )
@@ -94,33 +116,33 @@ def test_slow_deletes_on_gcs_never_block_a_save(gcs_dir):
             ".jaxckpt-writer.lock",
             *("1", "1.jaxckpt-tombstone", "2", "2.jaxckpt-tombstone", "3"),
         ], names
-        with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+        with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as reader:
             assert reader.all_steps() == [3]
-        assert [r.step for r in jaxckpt.verify(gcs_dir)] == [3]
+        assert [r.step for r in jaxckpt.verify(bucket_dir)] == [3]
     finally:
         release.set()
         m.close()
     assert sorted(p.name for p in root.iterdir()) == ["3"]
 
 
-def test_a_delete_left_unfinished_on_gcs_is_finished_by_the_next_writer(gcs_dir):
+def test_a_delete_left_unfinished_on_object_storage_is_finished_by_the_next_writer(bucket_dir):
     state = {"x": np.arange(1000, dtype=np.float32)}
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
         m.save(1, state=state)
         m.save(2, state=state)
     # What a writer killed right after retention's tombstone leaves behind.
-    root = epath.Path(gcs_dir)
+    root = epath.Path(bucket_dir)
     (root / "1.jaxckpt-tombstone").write_bytes(b"")
-    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as reader:
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as reader:
         assert reader.all_steps() == [2]  # hidden at once; a reader deletes nothing
     assert (root / "1" / "commit_success.txt").exists()
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
         assert m.all_steps() == [2]
     assert sorted(p.name for p in root.iterdir()) == ["2"]
 
 
-def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog):
-    proc = launch.start("-m", "children.gcs_freezer", gcs_dir, stderr=subprocess.DEVNULL)
+def test_a_writer_killed_mid_save_leaves_no_visible_step_on_object_storage(bucket_dir, caplog):
+    proc = launch.start("-m", "children.remote_freezer", bucket_dir, stderr=subprocess.DEVNULL)
     try:
         status = launch.wait_stopped(proc, timeout=180)
         assert os.WIFSTOPPED(status)
@@ -128,11 +150,11 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog)
         proc.kill()
         proc.wait(timeout=30)
     # No rename on GCS: the unfinished step sits at its final path without a commit marker.
-    assert (epath.Path(gcs_dir) / "2").exists()
-    assert not (epath.Path(gcs_dir) / "2" / "commit_success.txt").exists()
+    assert (epath.Path(bucket_dir) / "2").exists()
+    assert not (epath.Path(bucket_dir) / "2" / "commit_success.txt").exists()
     # Readers see it as a save that never finished, not as damage.
-    assert [(r.step, r.ok) for r in jaxckpt.verify(gcs_dir)] == [(1, True)]
-    listing = json.loads(CliRunner().invoke(cli.main, ["ls", gcs_dir, "--json"]).output)
+    assert [(r.step, r.ok) for r in jaxckpt.verify(bucket_dir)] == [(1, True)]
+    listing = json.loads(CliRunner().invoke(cli.main, ["ls", bucket_dir, "--json"]).output)
     assert [(s["step"], s["status"].split()[0]) for s in listing["steps"]] == [
         (1, "committed"),
         (2, "uncommitted"),
@@ -145,7 +167,7 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog)
         return remove(path, *args)
 
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.
-    with jaxckpt.CheckpointManager(gcs_dir, store=faults.store(remove=slow_remove)) as m:
+    with jaxckpt.CheckpointManager(bucket_dir, store=faults.store(remove=slow_remove)) as m:
         assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (
             caplog.text
         )
@@ -156,45 +178,49 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_gcs(gcs_dir, caplog)
         assert m.all_steps() == [1, 2]
 
 
-def test_kill_at_a_random_moment_of_a_save_loop_on_gcs(gcs_bucket):
+def test_kill_at_a_random_moment_of_a_save_loop_on_object_storage(bucket):
     # The stress script's gs:// trial (python -m reliability.stress runs 10 of them).
     tally = Tally()
-    kill_trial(2000, 1, tally, bucket=gcs_bucket)
+    kill_trial(2000, 1, tally, bucket=bucket.url)
     assert tally.trials == 1 and tally.failures == []
 
 
-def test_export_from_gcs_to_local_safetensors(gcs_dir, tmp_path):
+def test_export_from_object_storage_to_local_safetensors(bucket_dir, tmp_path):
     import safetensors.numpy
 
     weights = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
         m.save(7, state=weights)
-    result = jaxckpt.export_safetensors(gcs_dir, tmp_path / "hf")  # verified, then written
+    result = jaxckpt.export_safetensors(bucket_dir, tmp_path / "hf")  # verified, then written
     assert result.step == 7 and result.tensors == 2
     exported = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
     for name, value in weights.items():
         np.testing.assert_array_equal(exported[name], value)
 
 
-def test_cli_reads_a_gcs_checkpoint(gcs_dir):
+def test_cli_reads_a_checkpoint_on_object_storage(bucket_dir):
     main = cli.main
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
         m.save(5, state={"w": np.ones((4, 4), np.float32)})
     runner = CliRunner()
-    listing = json.loads(runner.invoke(main, ["ls", gcs_dir, "--verify", "--json"]).output)
+    listing = json.loads(runner.invoke(main, ["ls", bucket_dir, "--verify", "--json"]).output)
     (step,) = listing["steps"]
     assert step["step"] == 5 and step["status"] == "verified" and step["bytes"] > 64
-    rows = runner.invoke(main, ["inspect", gcs_dir]).output.splitlines()
+    rows = runner.invoke(main, ["inspect", bucket_dir]).output.splitlines()
     assert any(r.split()[:3] == ["w", "(4,", "4)"] for r in rows), rows
-    assert runner.invoke(main, ["verify", gcs_dir]).output.startswith("step 5: ok (")
+    assert runner.invoke(main, ["verify", bucket_dir]).output.startswith("step 5: ok (")
+    out = f"{bucket_dir}/hf"
+    exported = runner.invoke(main, ["export", bucket_dir, out])
+    assert exported.exit_code == 0, exported.output
+    assert (epath.Path(out) / "model.safetensors").exists()
 
 
-def test_import_safetensors_from_gcs_onto_a_mesh(gcs_dir, tmp_path, mesh):
+def test_import_safetensors_from_object_storage_onto_a_mesh(bucket_dir, tmp_path, mesh):
     import safetensors.numpy
 
     weights = {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8), "b": np.ones(8, np.float32)}
     safetensors.numpy.save_file(weights, tmp_path / "model.safetensors")
-    remote = epath.Path(gcs_dir) / "hf" / "model.safetensors"
+    remote = epath.Path(bucket_dir) / "hf" / "model.safetensors"
     remote.parent.mkdir(parents=True, exist_ok=True)
     remote.write_bytes((tmp_path / "model.safetensors").read_bytes())
     target = {
@@ -203,23 +229,23 @@ def test_import_safetensors_from_gcs_onto_a_mesh(gcs_dir, tmp_path, mesh):
         ),
         "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("model"))),
     }
-    loaded = jaxckpt.load_safetensors(f"{gcs_dir}/hf", target)
+    loaded = jaxckpt.load_safetensors(f"{bucket_dir}/hf", target)
     for name, value in weights.items():
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
         assert loaded[name].sharding == target[name].sharding
 
 
-def test_export_from_gcs_to_gcs_in_shards_and_back(gcs_dir, mesh):
+def test_export_from_object_storage_to_object_storage_in_shards_and_back(bucket_dir, mesh):
     weights = {f"w{i}": np.full((16, 16), i, np.float32) for i in range(4)}
-    with jaxckpt.CheckpointManager(f"{gcs_dir}/ckpt") as m:
+    with jaxckpt.CheckpointManager(f"{bucket_dir}/ckpt") as m:
         m.save(1, state=weights)
-    out = f"{gcs_dir}/hf"
-    result = jaxckpt.export_safetensors(f"{gcs_dir}/ckpt", out, max_shard_size="2KB")
+    out = f"{bucket_dir}/hf"
+    result = jaxckpt.export_safetensors(f"{bucket_dir}/ckpt", out, max_shard_size="2KB")
     assert len(result.files) == 4
     names = sorted(p.name for p in epath.Path(out).iterdir())
     assert names == sorted([*result.files, "model.safetensors.index.json"])
     with pytest.raises(jaxckpt.errors.OutputExistsError):
-        jaxckpt.export_safetensors(f"{gcs_dir}/ckpt", out)
+        jaxckpt.export_safetensors(f"{bucket_dir}/ckpt", out)
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("data")))
         for k, v in weights.items()
@@ -229,7 +255,7 @@ def test_export_from_gcs_to_gcs_in_shards_and_back(gcs_dir, mesh):
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
-def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
+def test_live_save_safetensors_to_object_storage_in_shards(bucket_dir, mesh, tmp_path):
     """A sharded live state streamed to a bucket, then read back by the safetensors library
     itself (from a download) and by load_safetensors onto another sharding."""
     from safetensors.numpy import load_file
@@ -245,7 +271,7 @@ def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
         "blocks": {"qkv": jax.device_put(host["blocks"]["qkv"], NamedSharding(mesh, P()))},
         "scale": host["scale"],
     }
-    out = f"{gcs_dir}/hf"
+    out = f"{bucket_dir}/hf"
     result = jaxckpt.save_safetensors(state, out, max_shard_size="8KB")
     assert len(result.files) == 3  # 8 KiB, 12 KiB, 4 bytes
     assert (epath.Path(out) / "model.safetensors.index.json").exists()
@@ -267,28 +293,28 @@ def test_live_save_safetensors_to_gcs_in_shards(gcs_dir, mesh, tmp_path):
 # --- requests: each process makes them at pod scale, so they are counted ------------------
 
 
-def _mark(log):
-    return log.stat().st_size
-
-
-def test_a_folder_tree_on_gcs_is_listed_in_one_request_however_many_folders(gcs_dir, gcs_log):
+def test_a_folder_tree_on_object_storage_is_listed_in_one_request_however_many_folders(
+    bucket_dir, bucket
+):
     # A step holds a folder per process that wrote it (ocdbt.process_<i>/d/...): listed one
     # folder at a time, every process's verification made O(processes) requests.
-    root = epath.Path(gcs_dir)
+    root = epath.Path(bucket_dir)
     names = [*sorted(f"state/ocdbt.process_{i}/d/{i:04x}" for i in range(12)), "top.json"]
     for name in names:
         (root / name).write_bytes(b"x")
-    since = _mark(gcs_log)
+    since = bucket.mark()
     found = sorted(str(p.relative_to(root)) for p in _storage.files_below(root))
     assert found == names
-    assert gcs.requests(gcs_log, since) == [("list", f"{root.name}/")]
+    assert bucket.requests(since) == [("list", f"{root.name}/")]
 
 
-def test_a_file_on_gcs_is_read_in_one_request_a_read_and_none_to_open(gcs_dir, gcs_log):
-    root = epath.Path(gcs_dir)
+def test_a_file_on_object_storage_is_read_in_one_request_a_read_and_none_to_open(
+    bucket_dir, bucket
+):
+    root = epath.Path(bucket_dir)
     (root / "a/b.bin").write_bytes(bytes(range(200)))
     name = f"{root.name}/a/b.bin"
-    since = _mark(gcs_log)
+    since = bucket.mark()
     with _storage.open_inside(root, "a/b.bin") as f:  # read whole: one request
         assert f.read() == bytes(range(200))
     with _storage.open_inside(root, "a/b.bin", size=200) as f:  # a part, its size known
@@ -300,7 +326,7 @@ def test_a_file_on_gcs_is_read_in_one_request_a_read_and_none_to_open(gcs_dir, g
         assert f.readinto(view) == 0
     with _storage.open_inside(root, "a/b.bin") as f:  # in parts, its size not known
         assert [len(f.read(150)), len(f.read(150)), len(f.read(150))] == [150, 50, 0]
-    assert gcs.requests(gcs_log, since) == [("read", name)] * 5
+    assert bucket.requests(since) == [("read", name)] * 5
     with _storage.open_inside(root, "a/missing") as f, pytest.raises(FileNotFoundError):
         f.read()
     (root / "a/empty").write_bytes(b"")
@@ -312,8 +338,8 @@ def test_a_file_on_gcs_is_read_in_one_request_a_read_and_none_to_open(gcs_dir, g
             f.seek(-1)
 
 
-def test_a_restore_from_gcs_reads_no_others_array_metadata_and_stats_no_packed_file(
-    mesh, gcs_dir, gcs_log
+def test_a_restore_from_object_storage_reads_no_others_array_metadata_and_stats_no_packed_file(
+    mesh, bucket_dir, bucket
 ):
     # Orbax's array restore read every process's array_metadatas/ (to find PRNG key impls,
     # which jaxckpt records itself), and the packed reader asked for each packed file's size:
@@ -325,16 +351,16 @@ def test_a_restore_from_gcs_reads_no_others_array_metadata_and_stats_no_packed_f
         ),
         "small": jax.device_put(rng.standard_normal((8, 4), np.float32), NamedSharding(mesh, P())),
     }
-    with jaxckpt.CheckpointManager(gcs_dir) as m:
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
         m.save(1, state=state, rng=jax.random.key(1))
-    since = _mark(gcs_log)
-    with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
+    since = bucket.mark()
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
         got = m.restore(state=jaxckpt.target_like(state), rng=jax.random.key(0))
     for k in state:
         assert np.asarray(got.state[k]).tobytes() == np.asarray(state[k]).tobytes()
     assert jax.random.key_data(got.rng).tolist() == jax.random.key_data(jax.random.key(1)).tolist()
-    made = gcs.requests(gcs_log, since)
-    assert ("read", f"{epath.Path(gcs_dir).name}/1/packed/0-of-1.bin") in made  # it was read
+    made = bucket.requests(since)
+    assert ("read", f"{epath.Path(bucket_dir).name}/1/packed/0-of-1.bin") in made  # it was read
     # Orbax's read of every process's file lists their folder first; this process's own
     # it may still read (one file, whatever the process count).
     assert [r for r in made if r[1].endswith("/array_metadatas/")] == []
