@@ -259,7 +259,7 @@ class S3Config:
 
     `endpoint`: a custom endpoint (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or a profile's
     `endpoint_url`), None for AWS's own. `region`: `AWS_REGION`, `AWS_DEFAULT_REGION` or the
-    profile's; None: the store's default. `addressing_style`: the profile's `s3.addressing_style`,
+    profile's; None: the store's default (tensorstore asks the bucket). `addressing_style`: the profile's `s3.addressing_style`,
     else "path" for a custom endpoint (MinIO, Ceph and most S3-compatible stores serve no
     bucket-named hosts), else None (the SDK's choice). Credentials are the SDK's chain
     (variables, `AWS_PROFILE` and its files, the instance's role): never read here.
@@ -306,15 +306,21 @@ def _s3_config(variables: tuple[str | None, ...]) -> S3Config:
     custom = not (urllib.parse.urlsplit(url).hostname or "").endswith(".amazonaws.com")
     style = (profile if isinstance(profile, dict) else {}).get("addressing_style")
     style = style or ("path" if custom else None)
-    if style is not None:  # (an explicit setting is kept)
-        fsspec.config.conf["s3"].setdefault("config_kwargs", {"s3": {"addressing_style": style}})
-    return S3Config(url if custom else None, session.region_name, style)
+    # AWS_REGION is the SDKs' standard variable; botocore reads only AWS_DEFAULT_REGION.
+    region = os.environ.get("AWS_REGION") or session.region_name
+    options = fsspec.config.conf["s3"]  # (an explicit setting is kept)
+    if style is not None:
+        options.setdefault("config_kwargs", {"s3": {"addressing_style": style}})
+    if region is not None:
+        options.setdefault("client_kwargs", {"region_name": region})
+    return S3Config(url if custom else None, region, style)
 
 
 def s3_kvstore(url: str) -> dict[str, Any]:
     """tensorstore's kvstore spec of an s3:// folder or object, with `s3_config`'s endpoint
-    and region (tensorstore's s3 driver reads neither from the environment; it reads the
-    credentials itself, through the same chain)."""
+    and region, so that the arrays go where the listings do (tensorstore's s3 driver reads no
+    endpoint from the environment or a profile). It finds the credentials itself, through
+    the same chain: variables, AWS_PROFILE's files, the instance's role."""
     bucket, key = _bucket_and_key(url)
     config = s3_config()
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
@@ -497,9 +503,9 @@ def _s3_client_for(config: S3Config) -> Any:
     import boto3
     import botocore.config
 
-    style = config.addressing_style
-    config = botocore.config.Config(s3={"addressing_style": style} if style else None)
-    return boto3.session.Session().client("s3", config=config)
+    style = {"addressing_style": config.addressing_style} if config.addressing_style else None
+    settings = botocore.config.Config(s3=style)
+    return boto3.session.Session().client("s3", region_name=config.region, config=settings)
 
 
 @contextlib.contextmanager

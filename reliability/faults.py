@@ -1,7 +1,8 @@
 """Faults injected into real checkpoints, shared by the tests and the stress script.
 
-Every corruption takes a checkpoint directory, damages step 2 in one way, and returns a
-regex that `verify` and `restore` must report for it. `store` and `local_store` make the
+Every corruption takes a checkpoint directory (a `pathlib.Path`, or an `epath.Path` on
+object storage: `REMOTE_CORRUPTIONS`), damages step 2 in one way, and returns a regex that
+`verify` and `restore` must report for it. `store` and `local_store` make the
 storage of a tier fail or freeze where a test says, through the manager's own seam (its
 `store=` and `local_store=` classes), never by patching jaxckpt's privates.
 """
@@ -45,44 +46,52 @@ def _faulty(base: type, faults: dict[str, Callable[..., Any]]) -> type:
     return type(f"Faulty{base.__name__}", (base,), {n: method(n, f) for n, f in faults.items()})
 
 
-def largest_data_file(step_dir: Path, within: tuple[str, ...] = ("state", "packed")) -> Path:
+def largest_data_file(step_dir: Any, within: tuple[str, ...] = ("state", "packed")) -> Any:
     """The step's largest file of array data: an Orbax array's, or a process's packed
     small leaves (format 2); `within`: of those folders of the step only."""
-    files = [p for d in within for p in (step_dir / d).rglob("*") if p.is_file()]
-    return max(files, key=lambda p: p.stat().st_size)
+    from jaxckpt._storage import files_below  # (on object storage: one listing, no glob)
+
+    folders = [step_dir / d for d in within if (step_dir / d).exists()]
+    return max((p for folder in folders for p in files_below(folder)), key=size)
 
 
-def flip_middle_byte(f: Path) -> None:
-    """One bit of the file's middle byte flipped."""
+def size(f: Any) -> int:
+    """A file's size, on local disk or object storage (an epath's stat says `length`)."""
+    found = f.stat()
+    return found.st_size if isinstance(f, Path) else found.length
+
+
+def flip_middle_byte(f: Any) -> None:
+    """One bit of the file's middle byte flipped (an object: rewritten so)."""
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
 
 
-def truncate(d: Path) -> str:
+def truncate(d: Any) -> str:
     f = largest_data_file(d / "2")
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    f.write_bytes(f.read_bytes()[: size(f) // 2])
     return f"{f.relative_to(d / '2')}: .*truncated"
 
 
-def flip_byte(d: Path) -> str:
+def flip_byte(d: Any) -> str:
     f = largest_data_file(d / "2")
     flip_middle_byte(f)
     return f"{f.relative_to(d / '2')}: contents changed"
 
 
-def delete_file(d: Path) -> str:
+def delete_file(d: Any) -> str:
     f = largest_data_file(d / "2")
     f.unlink()
     return f"{f.relative_to(d / '2')}: missing"
 
 
-def garbage_metadata(d: Path) -> str:
+def garbage_metadata(d: Any) -> str:
     (d / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
     return "jaxckpt/jaxckpt.json: (contents changed|.*truncated or grown)"
 
 
-def missing_metadata(d: Path) -> str:
+def missing_metadata(d: Any) -> str:
     (d / "2" / "jaxckpt" / "jaxckpt.json").unlink()
     return "jaxckpt/jaxckpt.json is missing"
 
@@ -93,7 +102,7 @@ def empty_step(d: Path) -> str:
     return "empty step directory"
 
 
-def manifest_mismatch(d: Path) -> str:
+def manifest_mismatch(d: Any) -> str:
     path = d / "2" / "jaxckpt" / "manifest.json"
     manifest = json.loads(path.read_text())
     name = sorted(manifest["files"])[0]
@@ -111,3 +120,6 @@ CORRUPTIONS = {
     "empty step directory": empty_step,
     "manifest that does not match": manifest_mismatch,
 }
+# On object storage: every one but the empty step folder (with no objects, a folder is not
+# there at all: the step is simply gone).
+REMOTE_CORRUPTIONS = {k: v for k, v in CORRUPTIONS.items() if v is not empty_step}

@@ -1,6 +1,7 @@
 """Crash and corruption stress: kill writers at random moments, damage steps, check recovery.
 
     python -m reliability.stress [--trials 30] [--multihost-trials 6] [--gcs-trials 10]
+                                 [--s3-trials 10] [--lease-trials 4]
                                  [--hostile-trials 10] [--local-trials 10] [--seed 0]
 
 Writes RELIABILITY.md (the table below is regenerated from the run). Every trial is seeded:
@@ -11,9 +12,11 @@ check runs:
   were saved for it (values are a function of the step), meta included;
 * `latest_step()` is restorable, or nothing was committed yet;
 * a new writer starts, saves the next step, and no unfinished save is left: no
-  `*.orbax-checkpoint-tmp` folder, and on gs:// (a GCS emulator on 127.0.0.1, where Orbax
-  commits with a marker instead of a rename) no step folder without `commit_success.txt`.
-  On gs:// the new writer first waits out the killed writer's lease (2 s here).
+  `*.orbax-checkpoint-tmp` folder, and on object storage (gs:// and s3://, real servers on
+  127.0.0.1, where Orbax commits with a marker instead of a rename) no step folder without
+  `commit_success.txt`. There the new writer first waits out the killed writer's lease (2 s
+  here). The object-storage trials (kills, stolen leases, corruptions) are
+  `reliability.buckets`'.
 """
 
 from __future__ import annotations
@@ -287,40 +290,54 @@ def recoverable(persistent: Path, local: list[Path]) -> tuple[int | None, str | 
     return best_persistent, None if best_persistent is None else "persistent"
 
 
+def kills_text(t: Tally) -> str:
+    """A report's result cell for kill trials."""
+    if not t.trials:
+        return "not run"
+    if t.failures:
+        return f"FAILED {len(t.failures)}: " + "; ".join(t.failures[:3])
+    return (
+        f"all recovered; {t.leftovers} left an unfinished save (cleaned); committed steps "
+        f"visible after the kill: {min(t.visible)}-{max(t.visible)}"
+    )
+
+
 def corruption_trials() -> dict[str, str]:
     """Each corruption on a fresh 2-step checkpoint: verify and restore must name it."""
-    import re
-
-    import jaxckpt
-    from jaxckpt import errors
     from reliability.faults import CORRUPTIONS
 
     results = {}
     for name, corrupt in CORRUPTIONS.items():
         with tempfile.TemporaryDirectory(prefix="jaxckpt-corrupt-") as tmp:
-            d = Path(tmp)
-            with jaxckpt.CheckpointManager(d) as m:
-                for step in (1, 2):
-                    m.save(step, state={"x": expected(step)[:65536]}, meta={"step": step})
-            pattern = corrupt(d)
-            reports = {r.step: r for r in jaxckpt.verify(d)}
-            by_verify = not reports[2].ok and any(
-                re.search(pattern, p) for p in reports[2].problems
-            )
-            with jaxckpt.CheckpointManager(d, read_only=True) as m:
-                try:
-                    m.restore(2)
-                    by_restore = False
-                except errors.CorruptCheckpointError as e:
-                    by_restore = bool(re.search(pattern, str(e)))
-                fallback = m.restore(fallback=True).step == 1
-            ok = by_verify and by_restore and fallback
-            results[name] = (
-                "detected by verify and restore; fallback restored step 1"
-                if ok
-                else (f"FAILED (verify {by_verify}, restore {by_restore}, fallback {fallback})")
-            )
+            results[name] = corruption_trial(Path(tmp), corrupt)
     return results
+
+
+def corruption_trial(d: Any, corrupt: Any) -> str:
+    """One corruption (`reliability.faults`) of step 2 of a fresh 2-step checkpoint in `d`
+    (a local or an object-storage path): what verify, restore and a fallback restore made
+    of it, "detected ..." when each named it."""
+    import re
+
+    import jaxckpt
+    from jaxckpt import errors
+
+    with jaxckpt.CheckpointManager(d) as m:
+        for step in (1, 2):
+            m.save(step, state={"x": expected(step)[:65536]}, meta={"step": step})
+    pattern = corrupt(d)
+    reports = {r.step: r for r in jaxckpt.verify(d)}
+    by_verify = not reports[2].ok and any(re.search(pattern, p) for p in reports[2].problems)
+    with jaxckpt.CheckpointManager(d, read_only=True) as m:
+        try:
+            m.restore(2)
+            by_restore = False
+        except errors.CorruptCheckpointError as e:
+            by_restore = bool(re.search(pattern, str(e)))
+        fallback = m.restore(fallback=True).step == 1
+    if by_verify and by_restore and fallback:
+        return "detected by verify and restore; fallback restored step 1"
+    return f"FAILED (verify {by_verify}, restore {by_restore}, fallback {fallback})"
 
 
 def hostile_trials(seed: int, trials: int) -> list[tuple[str, int, str]]:
@@ -384,13 +401,15 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--multihost-trials", type=int, default=6)
     parser.add_argument("--gcs-trials", type=int, default=10)
+    parser.add_argument("--s3-trials", type=int, default=10)
+    parser.add_argument("--lease-trials", type=int, default=4, help="per object store")
     parser.add_argument("--hostile-trials", type=int, default=10)
     parser.add_argument("--local-trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "RELIABILITY.md")
     args = parser.parse_args()
 
-    single, multi, on_gcs = Tally(), Tally(), Tally()
+    single, multi = Tally(), Tally()
     for i in range(args.trials):
         kill_trial(args.seed + i, 1, single)
         print(
@@ -403,22 +422,14 @@ def main() -> int:
             f"2-process kill {i + 1}/{args.multihost_trials}: {len(multi.failures)} failures",
             flush=True,
         )
-    if args.gcs_trials:
-        from reliability import gcs
+    from reliability import buckets
 
-        os.environ.update(gcs.LOOPBACK_ENV)
-        with tempfile.TemporaryDirectory(prefix="jaxckpt-gcs-") as log_dir:
-            server, url = gcs.start(Path(log_dir) / "server.log")
-            os.environ.update(gcs.point_at(url))
-            try:
-                for i in range(args.gcs_trials):
-                    kill_trial(args.seed + 2000 + i, 1, on_gcs, bucket=f"gs://{gcs.BUCKET}")
-                    print(
-                        f"gs:// kill {i + 1}/{args.gcs_trials}: {len(on_gcs.failures)} failures",
-                        flush=True,
-                    )
-            finally:
-                gcs.stop(server)
+    on_buckets = [
+        row
+        for store, kills, seed in (("gs", args.gcs_trials, 2000), ("s3", args.s3_trials, 3000))
+        if kills
+        for row in buckets.trials(store, args.seed + seed, kills, args.lease_trials)
+    ]
     on_local, losses = Tally(), {}
     for i in range(args.local_trials):
         local_trial(args.seed + 5000 + i, on_local, losses)
@@ -428,16 +439,6 @@ def main() -> int:
         )
     corruptions = corruption_trials()
     hostile_rows = hostile_trials(args.seed, args.hostile_trials)
-
-    def kills(t: Tally) -> str:
-        if not t.trials:
-            return "not run"
-        if t.failures:
-            return f"FAILED {len(t.failures)}: " + "; ".join(t.failures[:3])
-        return (
-            f"all recovered; {t.leftovers} left an unfinished save (cleaned); committed steps "
-            f"visible after the kill: {min(t.visible)}-{max(t.visible)}"
-        )
 
     def local_kills(t: Tally) -> str:
         if not t.trials:
@@ -451,13 +452,9 @@ def main() -> int:
         )
 
     rows = [
-        ("SIGKILL of a writer saving in a loop, random moment", single.trials, kills(single)),
-        ("SIGKILL of 1 of 2 multi-host writers, random moment", multi.trials, kills(multi)),
-        (
-            "SIGKILL of a writer saving to gs:// (GCS emulator), random moment",
-            on_gcs.trials,
-            kills(on_gcs),
-        ),
+        ("SIGKILL of a writer saving in a loop, random moment", single.trials, kills_text(single)),
+        ("SIGKILL of 1 of 2 multi-host writers, random moment", multi.trials, kills_text(multi)),
+        *on_buckets,
         (
             "SIGKILL of 1 of 2 processes saving to a local tier (every step, copies on the "
             "other) and a persistent one, random moment, then a seeded loss ("
@@ -474,6 +471,8 @@ def main() -> int:
             trials=args.trials,
             multi=args.multihost_trials,
             gcs=args.gcs_trials,
+            s3=args.s3_trials,
+            lease=args.lease_trials,
             hostile=args.hostile_trials,
             local=args.local_trials,
             seed=args.seed,
@@ -489,7 +488,7 @@ def main() -> int:
         if single.failures
         or multi.failures
         or on_local.failures
-        or on_gcs.failures
+        or any("FAILED" in r for _, _, r in on_buckets)
         or any("FAILED" in r for r in corruptions.values())
         or any("FAILED" in r for _, _, r in hostile_rows)
         else 0
@@ -498,17 +497,18 @@ def main() -> int:
 
 RELIABILITY_HEAD = """# Reliability report
 
-Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --hostile-trials {hostile} --local-trials {local} --seed {seed}`
+Regenerated by `python -m reliability.stress --trials {trials} --multihost-trials {multi} --gcs-trials {gcs} --s3-trials {s3} --lease-trials {lease} --hostile-trials {hostile} --local-trials {local} --seed {seed}`
 (seeded: the same seed gives the same kill moments). The same faults run in the test suite in
 smaller numbers (`tests/test_atomicity.py`, `tests/test_integrity.py`, `tests/test_async.py`,
-`tests/test_multihost.py`, `tests/test_gcs.py`, `tests/test_hostile.py`, `tests/test_lock.py`,
+`tests/test_multihost.py`, `tests/test_object_storage.py`, `tests/test_hostile.py`, `tests/test_lock.py`,
 `tests/test_local_multihost.py`, `tests/test_local_copies.py`, `tests/test_layout.py`,
 `tests/test_packed_hostile.py`).
 
 After every kill, a new process checks: every visible step verifies against its manifest and
 restores with exactly the bytes saved for it; `latest_step()` restores; a new writer saves the
-next step and no unfinished-save leftover remains. On gs:// the new writer first waits out
-the killed writer's lease (2 s in these trials) and takes it over.
+next step and no unfinished-save leftover remains. On object storage (gs:// and s3://, real
+servers on 127.0.0.1) the new writer first waits out the killed writer's lease (2 s in these
+trials) and takes it over.
 
 | fault | trials | result |
 | --- | --- | --- |
@@ -525,8 +525,8 @@ Also covered by tests (one run each, every `make test`):
 | Orbax's save fails in the foreground after the step's background commit started | the `SaveError` is worded once that commit is over: the step committed, and is whole |
 | a second writer on the same directory | `LockedError` naming host and pid; readers (`read_only=True`) unaffected |
 | a writer dies holding the lock | the next writer takes it over and logs whose it was |
-| gs://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |
-| gs://: retention's deletes stalled | saves commit; the deleted steps are hidden by tombstones from every reader until their objects are gone |
+| gs:// and s3://: a second writer; 8 writers racing for the lease; a frozen writer whose lease was taken over | `LockedError` naming the holder; exactly one of 8 wins; the frozen writer raises `LockedError` at its next save and its step never appears |
+| gs:// and s3://: retention's deletes stalled | saves commit; the deleted steps are hidden by tombstones from every reader until their objects are gone |
 | a process SIGSTOPped once a step's arrays are written, before its commit, then SIGKILLed | the step is not visible; the leftover is cleaned by the next writer |
 | 23 hostile plants (links and FIFOs in a step, a linked step folder, stray `²`/`00002` folders, garbage, deep or newer-format jaxckpt.json, malformed manifest entries, a leaf the arrays lack, a lock that is a link, FIFO or hard link), each fed to 17 entry points (manager, verify, export, every CLI command) | only `JaxckptError`s (one-line CLI errors); nothing outside the directory read or written; step 1 intact |
 | the lock file deleted during a save, before its commit | the commit is refused (`SaveError` from `LockedError`); the step never appears |

@@ -24,6 +24,8 @@ from conftest import run_python
 from jaxckpt import errors
 from jaxckpt._lock import ObjectLease
 from reliability import faults, hostile, launch
+from reliability.buckets import stolen_lease_trial
+from reliability.stress import Tally
 
 BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
 
@@ -298,3 +300,12 @@ def test_a_frozen_writer_that_lost_its_object_storage_lease_never_writes_again(b
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_a_writer_whose_lease_another_job_overwrote_stops_and_the_directory_recovers(bucket):
+    # The stress script's stolen-lease trial (python -m reliability.stress runs 4 a store): a
+    # lease overwritten with no condition mid-loop; the writer stops naming the thief, every
+    # visible step restores exactly, and the next writer takes over after the thief's term.
+    tally = Tally()
+    stolen_lease_trial(2500, tally, bucket.url)
+    assert tally.trials == 1 and tally.failures == [], tally.failures

@@ -8,6 +8,7 @@ processes of a job, and exported and imported in place.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -24,8 +25,10 @@ from jax.sharding import PartitionSpec as P
 from multihost import run_job
 
 import jaxckpt
+from conftest import run_python
 from jaxckpt import _storage, cli
 from reliability import faults, launch
+from reliability.faults import REMOTE_CORRUPTIONS
 from reliability.stress import Tally, kill_trial
 
 
@@ -178,6 +181,24 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_object_storage(bucke
         assert m.all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("corrupt", REMOTE_CORRUPTIONS.values(), ids=REMOTE_CORRUPTIONS.keys())
+def test_corruption_on_object_storage_is_named_by_verify_and_restore(bucket_dir, corrupt):
+    big = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
+        for step in (1, 2):
+            m.save(step, state={"w": big + step, "b": np.ones(3) * step})
+    expected = corrupt(epath.Path(bucket_dir))
+    reports = {r.step: r for r in jaxckpt.verify(bucket_dir)}
+    assert reports[1].ok and not reports[2].ok
+    assert any(re.search(expected, p) for p in reports[2].problems), reports[2].problems
+    target = {"w": np.zeros_like(big), "b": np.zeros(3)}
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
+        with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=expected):
+            m.restore(2, state=target)
+        restored = m.restore(state=target, fallback=True)
+    assert restored.step == 1 and restored.state["w"].tobytes() == (big + 1).tobytes()
+
+
 def test_kill_at_a_random_moment_of_a_save_loop_on_object_storage(bucket):
     # The stress script's gs:// trial (python -m reliability.stress runs 10 of them).
     tally = Tally()
@@ -213,6 +234,78 @@ def test_cli_reads_a_checkpoint_on_object_storage(bucket_dir):
     exported = runner.invoke(main, ["export", bucket_dir, out])
     assert exported.exit_code == 0, exported.output
     assert (epath.Path(out) / "model.safetensors").exists()
+
+
+def test_every_other_entry_point_takes_a_bucket(bucket_dir, mesh, tmp_path):
+    """diff, plan, rm, jaxckpt.open and a local tier over a persistent tier in the bucket."""
+    runner = CliRunner()
+
+    def state(step):
+        w = np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * step
+        return {"w": jax.device_put(w, NamedSharding(mesh, P("data"))), "b": np.full(4, step)}
+
+    tier = jaxckpt.LocalTier(tmp_path / "local", every_steps=2)
+    policy = jaxckpt.SavePolicy(every_steps=10)
+    with jaxckpt.CheckpointManager(bucket_dir, policy=policy, local=tier) as m:
+        for step in range(1, 23):
+            if m.should_save(step):
+                m.save(step, state=state(step))
+        m.wait()
+        assert m.all_steps() == [10, 20]
+    with jaxckpt.CheckpointManager(bucket_dir, local=tier) as m:  # a restarted job
+        restored = m.restore(state=jaxckpt.target_like(state(0)))
+        assert (restored.step, restored.tier) == (22, "local")
+        restored = m.restore(10, state=jaxckpt.target_like(state(0)))
+        assert (restored.step, restored.tier) == (10, "persistent")
+        assert np.asarray(restored.state["w"]).tobytes() == np.asarray(state(10)["w"]).tobytes()
+    with jaxckpt.open(bucket_dir) as reader:
+        assert reader.steps() == [10, 20]
+    diff = runner.invoke(cli.main, ["diff", bucket_dir, "10", "20", "--values", "--json"])
+    assert diff.exit_code == 1 and json.loads(diff.output)["max_abs_diff"]["w"] == 10230, (
+        diff.output
+    )
+    plan = runner.invoke(cli.main, ["plan", bucket_dir, "--mesh", "2x4", "--hosts", "2", "--json"])
+    assert plan.exit_code == 0 and json.loads(plan.output)["mesh"] == {"data": 2, "model": 4}
+    removed = runner.invoke(cli.main, ["rm", bucket_dir, "10"])
+    assert removed.exit_code == 0, removed.output
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
+        assert m.all_steps() == [20]
+
+
+_SAVE_AND_RESTORE = """
+import sys
+import numpy as np
+import jaxckpt
+from jaxckpt import _storage
+
+x = np.arange(2**19, dtype=np.float32)  # 2 MiB: an Orbax array, through tensorstore
+with jaxckpt.CheckpointManager(sys.argv[1]) as m:
+    m.save(1, state={"x": x})
+with jaxckpt.CheckpointManager(sys.argv[1], read_only=True) as m:
+    assert m.restore().state["x"].tobytes() == x.tobytes()
+print(_storage.s3_config())
+"""
+
+
+def test_s3_is_configured_the_way_every_aws_tool_is(s3_server, tmp_path, monkeypatch):
+    """A profile's endpoint and region (AWS_PROFILE, its config file), AWS_ENDPOINT_URL_S3
+    over AWS_ENDPOINT_URL: nothing jaxckpt-specific. A custom endpoint gets path-style
+    addressing. Each in a new process, as a job starts."""
+    url = os.environ["AWS_ENDPOINT_URL"]
+    config = tmp_path / "config"
+    config.write_text(f"[profile ckpt]\nendpoint_url = {url}\nregion = eu-west-1\n")
+    with monkeypatch.context() as env:
+        env.delenv("AWS_ENDPOINT_URL")
+        env.delenv("AWS_REGION")
+        env.setenv("AWS_CONFIG_FILE", str(config))
+        env.setenv("AWS_PROFILE", "ckpt")
+        out = run_python("-c", _SAVE_AND_RESTORE, f"{s3_server.url}/by-profile").stdout
+    assert f"endpoint='{url}', region='eu-west-1', addressing_style='path'" in out, out
+    with monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+        env.setenv("AWS_ENDPOINT_URL_S3", url)
+        out = run_python("-c", _SAVE_AND_RESTORE, f"{s3_server.url}/by-service").stdout
+    assert f"endpoint='{url}', region='us-east-1', addressing_style='path'" in out, out
 
 
 def test_import_safetensors_from_object_storage_onto_a_mesh(bucket_dir, tmp_path, mesh):
