@@ -461,8 +461,11 @@ class _S3Object(_LeaseObject):
             return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> Any:
-        with _s3_errors():
-            return self._put(data, IfMatch=version)
+        try:
+            with _s3_errors():
+                return self._put(data, IfMatch=version)
+        except FileNotFoundError as e:  # S3 answers 404, not 412, once it is gone
+            raise Conflict(str(e)) from e
 
     def _put(self, data: bytes, **condition: str) -> Any:
         put = _s3_client().put_object

@@ -98,13 +98,16 @@ def s3_server(tmp_path_factory):
     s3.stop(proc)
 
 
-@pytest.fixture(params=["gs", "s3"])
+SERVERS = {"gs": "gcs_server", "s3": "s3_server"}  # each store's server fixture
+
+
+@pytest.fixture(params=list(SERVERS))
 def bucket(request):
     """Each object store in turn: a test taking it holds on gs:// and on s3:// alike."""
-    return request.getfixturevalue({"gs": "gcs_server", "s3": "s3_server"}[request.param])
+    return request.getfixturevalue(SERVERS[request.param])
 
 
-def _prefix(bucket: Bucket, request) -> str:
+def prefix_on(bucket: Bucket, request) -> str:
     """A fresh prefix per test (no glob characters: fsspec would expand them)."""
     return f"{bucket.url}/{re.sub(r'[^A-Za-z0-9_.-]', '-', request.node.name)}"
 
@@ -112,7 +115,7 @@ def _prefix(bucket: Bucket, request) -> str:
 @pytest.fixture
 def bucket_dir(bucket, request):
     """A fresh prefix per test, on each object store in turn."""
-    return _prefix(bucket, request)
+    return prefix_on(bucket, request)
 
 
 @pytest.fixture
@@ -123,7 +126,7 @@ def gcs_bucket(gcs_server):
 @pytest.fixture
 def gcs_dir(gcs_server, request):
     """A fresh gs:// prefix per test."""
-    return _prefix(gcs_server, request)
+    return prefix_on(gcs_server, request)
 
 
 def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):

@@ -309,3 +309,19 @@ def test_a_writer_whose_lease_another_job_overwrote_stops_and_the_directory_reco
     tally = Tally()
     stolen_lease_trial(2500, tally, bucket.url)
     assert tally.trials == 1 and tally.failures == [], tally.failures
+
+
+def test_a_lease_deleted_under_its_writer_is_lost_at_the_next_renewal(bucket_dir):
+    # On S3 a conditional rewrite of a deleted object is refused with 404, not 412: still a
+    # lost lease, never a transient error to retry at every renewal.
+    lease = ObjectLease(bucket_dir, 0.4)
+    lease.acquire()
+    renewer = lease._renewer
+    try:
+        (epath.Path(bucket_dir) / ".jaxckpt-writer.lock").unlink()
+        renewer.join(timeout=60)  # the renewal thread ends once it finds the lease gone
+        assert not renewer.is_alive()
+        with pytest.raises(jaxckpt.errors.LockedError, match=r"lost the writer lease .* to nobody"):
+            lease.check()
+    finally:
+        lease.release()

@@ -13,20 +13,29 @@ from children import preempted_loop
 from multihost import run_job
 
 import jaxckpt
+from conftest import SERVERS, prefix_on
 from jaxckpt import errors
 from reliability import launch
 
 
-def test_callback_notice_saves_the_next_step_once(ckpt_dir):
+@pytest.fixture(params=["local", *SERVERS])
+def directory(request, ckpt_dir):
+    """A local directory, then a prefix on each object store (gs://, s3://)."""
+    if request.param == "local":
+        return ckpt_dir
+    return prefix_on(request.getfixturevalue(SERVERS[request.param]), request)
+
+
+def test_callback_notice_saves_the_next_step_once(directory):
     notice = []
     policy = jaxckpt.PreemptionPolicy(check=lambda: bool(notice))
-    with jaxckpt.CheckpointManager(ckpt_dir, preemption=policy) as m:
+    with jaxckpt.CheckpointManager(directory, preemption=policy) as m:
         assert not m.should_save(3) and not m.preempted
         notice.append("maintenance event")
         assert m.should_save(4) and m.preempted
         m.save(4, state={"x": np.ones(2)})
         assert not m.should_save(5)  # one save for one notice; the script exits now
-    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+    with jaxckpt.CheckpointManager(directory) as m:
         assert m.latest_step() == 4
 
 
