@@ -134,7 +134,7 @@ class ObjectLease:
             raise ValueError(f"no conditional writes on {self.path}")
         self._object = found
         self._version: Any = None  # the store's version of our last accepted write
-        self._renewed = 0.0  # time.monotonic() of the last write the server accepted
+        self._renewed = 0.0  # time.monotonic() at the sending of the last write accepted
         self._lost: str | None = None
         self._mutex = threading.Lock()
         self._stop = threading.Event()
@@ -183,7 +183,8 @@ class ObjectLease:
             current = self._object.current()
             if current is not None and current[0] == self._version:
                 return
-            raw = None if current is None else self._object.read(current[0])
+            # Whoever holds it now (it may be renewed again meanwhile: no condition here).
+            raw = None if current is None else self._object.read()
             self._lost = "nobody" if raw is None else _describe(raw)
 
     def _write(self, version: Any) -> None:
@@ -192,11 +193,15 @@ class ObjectLease:
             # Each write's bytes differ (its count): an S3 version is the ETag, a hash of them.
             self._me["writes"] = self._me.get("writes", 0) + 1
             data = json.dumps(self._me).encode()
+            # The term runs from the request's sending, not its answer: a writer frozen while
+            # the request was on its way (the server took it, then another writer took the
+            # lease over) must find its renewal overdue when it wakes, not fresh.
+            sent = time.monotonic()
             if version is None:
                 self._version = self._object.create(data)
             else:
                 self._version = self._object.replace(data, version)
-            self._renewed = time.monotonic()
+            self._renewed = sent
 
     def _take_over_if_expired(self) -> bool:
         """Takes the lease over once its holder lets it expire, waiting for that at most
@@ -214,7 +219,9 @@ class ObjectLease:
             self._version, self._renewed = version, time.monotonic()
             return True
         term = float(holder.get("lease_s", self.lease_s))
+        # At least this long (times in whole seconds, as on S3, err by up to one either way).
         idle = (self._object.server_now() - updated).total_seconds()
+        idle -= self._object.clock_resolution_s
         if idle < term:
             # A live holder renews every term/4; a dead one lets the lease run out.
             log.info(

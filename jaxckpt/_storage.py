@@ -343,7 +343,10 @@ class _LeaseObject:
     """One object written only on a condition the store decides (the writer lease,
     `jaxckpt._lock.ObjectLease`): `create` if absent, `replace`/`delete` if unchanged since
     `version` (Conflict otherwise). A version is opaque (a GCS generation, an S3 ETag).
-    Any other error of the store is OSError."""
+    Any other error of the store is OSError. `clock_resolution_s`: how coarse the store's
+    times are (`current`, `server_now`)."""
+
+    clock_resolution_s = 0.0
 
     def create(self, data: bytes) -> Any:
         raise NotImplementedError
@@ -356,8 +359,9 @@ class _LeaseObject:
         if there is none."""
         raise NotImplementedError
 
-    def read(self, version: Any) -> bytes | None:
-        """The object's bytes if it is still at `version`; None if it changed or is gone."""
+    def read(self, version: Any = None) -> bytes | None:
+        """The object's bytes if it is still at `version` (None: whatever it is now); None
+        if it changed or is gone."""
         raise NotImplementedError
 
     def delete(self, version: Any) -> None:
@@ -401,7 +405,7 @@ class _GcsObject(_LeaseObject):
             blob = _gcs_client().bucket(self._bucket).get_blob(self._name)
         return None if blob is None else (blob.generation, blob.updated)
 
-    def read(self, version: Any) -> bytes | None:
+    def read(self, version: Any = None) -> bytes | None:
         try:
             with _gcs_errors():
                 return bytes(self._blob().download_as_bytes(if_generation_match=version))
@@ -451,7 +455,10 @@ def _gcs_errors() -> Iterator[None]:
 
 class _S3Object(_LeaseObject):
     """S3's conditional writes: `If-None-Match: *` to create, `If-Match: <ETag>` to
-    replace or delete (AWS since 2024; MinIO, Ceph and moto have them too)."""
+    replace or delete (AWS since 2024; MinIO, Ceph and moto have them too). Its times are
+    HTTP dates, in whole seconds."""
+
+    clock_resolution_s = 1.0
 
     def __init__(self, url: str):
         self._bucket, self._key = _bucket_and_key(url)
@@ -479,10 +486,11 @@ class _S3Object(_LeaseObject):
             return None
         return found["ETag"], found["LastModified"]
 
-    def read(self, version: Any) -> bytes | None:
+    def read(self, version: Any = None) -> bytes | None:
+        condition = {} if version is None else {"IfMatch": version}
         try:
             with _s3_errors():
-                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, **condition)
                 return bytes(got["Body"].read())
         except (Conflict, FileNotFoundError):
             return None

@@ -325,3 +325,35 @@ def test_a_lease_deleted_under_its_writer_is_lost_at_the_next_renewal(bucket_dir
             lease.check()
     finally:
         lease.release()
+
+
+def test_a_writer_that_lost_its_lease_names_its_holder_however_often_it_renews(bucket_dir):
+    # The frozen writer is refused before its next save, naming the lease's holder:
+    # - whoever it is now, never read on the condition that it has not changed since it
+    #   was looked at (a renewal in between made that "nobody");
+    # - only once the whole term passed unrenewed: S3's times are whole seconds, and read
+    #   as exact a lease renewed 1.x s ago was taken over, its holder still counting it
+    #   fresh (refused only at its commit).
+    holder = launch.start(
+        "-m",
+        "children.lease_holder",
+        bucket_dir,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    thief = ObjectLease(bucket_dir, 0.08)  # renewed every 20 ms
+    try:
+        assert launch.readline(holder, timeout=180) == "holding\n"
+        holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
+        launch.wait_stopped(holder, timeout=60)
+        thief.acquire()  # waits out the term, then takes over
+        holder.send_signal(signal.SIGCONT)
+        out, _ = holder.communicate("go\n", timeout=120)
+        assert out.startswith("refused: this job lost the writer lease"), (out, holder.returncode)
+        assert f"pid {os.getpid()}" in out, out
+    finally:
+        thief.release()
+        holder.kill()
+        holder.wait(timeout=30)
