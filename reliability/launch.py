@@ -6,6 +6,7 @@ all one way: this interpreter, the repo as working directory, and the repo's cod
     launch.run("-m", "jaxckpt", "verify", directory, timeout=120)  # waited for, bounded
     launch.readline(proc, timeout=120)  # its next stdout line, or TimeoutError
     launch.wait_stopped(proc, timeout=120)  # os.waitpid(WUNTRACED), or TimeoutError
+    launch.serve([binary, ...], log, ready_url, "the S3 server")  # a server on 127.0.0.1
 
 A child is a real module run with `-m` (so ruff reads it), not code in a string. Every wait
 on one is bounded: a child that hangs fails its test or trial, naming what it never did,
@@ -15,10 +16,13 @@ instead of blocking the parent (and CI) for ever.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,3 +120,52 @@ def join_job(devices: int, processes: int, process_id: int, port: int | str, **o
             initialization_timeout=60,
             **options,
         )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(
+    command: list[str],
+    log: Path,
+    ready: str,
+    what: str,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Starts a server (the object-storage tests' emulators), its output to `log` (never a
+    pipe: an unread pipe stalls it), in a session of its own; returns once the URL `ready`
+    answers. RuntimeError naming `what` and the log if it exits or does not answer within
+    `timeout_s`."""
+    out = log.open("w")
+    proc = subprocess.Popen(
+        command,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(ready, timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{what} did not start; see {log}") from None
+            time.sleep(0.1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ends a server `serve` started (its whole session), bounded."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from reliability import launch
 
 LOOPBACK_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -43,28 +42,9 @@ _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 def start(log: Path, timeout_s: float = 60) -> tuple[subprocess.Popen, str]:
     """Starts the server with one bucket, `BUCKET`; returns the process and its URL. Its
     log has a line per request (`requests` reads them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    out = log.open("w")  # never a pipe: an unread pipe stalls the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **LOOPBACK_ENV},
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the S3 server did not start; see {log}") from None
-            time.sleep(0.1)
+    url = f"http://127.0.0.1:{launch.free_port()}"
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rpartition(":")[2]]
+    proc = launch.serve(command, log, f"{url}/moto-api/", "the S3 server", timeout_s, LOOPBACK_ENV)
     request = urllib.request.Request(f"{url}/{BUCKET}", method="PUT")  # CreateBucket
     urllib.request.urlopen(request, timeout=10).close()
     return proc, url
@@ -76,12 +56,7 @@ def point_at(url: str) -> dict[str, str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    launch.stop_server(proc)
 
 
 def requests(log: Path, since: int = 0) -> list[tuple[str, str]]:

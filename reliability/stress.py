@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,17 +59,11 @@ class Tally:
     leftovers: int = 0  # kills that left an unfinished save behind (cleaned afterwards)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_writers(
     directory: str, processes: int, stderr: Any = subprocess.DEVNULL
 ) -> list[subprocess.Popen]:
     """`processes` reliability.writer processes saving to `directory`, 8 devices in all."""
-    port, devices = free_port(), 8 // processes
+    port, devices = launch.free_port(), 8 // processes
     return [
         launch.start(
             "-m",
@@ -222,7 +215,7 @@ def local_trial(seed: int, tally: Tally, losses: dict[str, int]) -> None:
 
 
 def start_local_job(persistent: str, local: list[str], mode: str, stderr: Any = subprocess.DEVNULL):
-    port = free_port()
+    port = launch.free_port()
     return [
         launch.start(
             "-m",

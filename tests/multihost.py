@@ -9,18 +9,11 @@ that does not finish in time is killed and reported with its output.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from reliability import launch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -53,7 +46,7 @@ def run_job(
 
     `while_running(popens)`, if given, is called once all have started (e.g. to signal one).
     """
-    port = free_port()
+    port = launch.free_port()
     where = (scenario.__module__, scenario.__name__)
     procs = [
         launch.start(
