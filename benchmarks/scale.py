@@ -15,7 +15,9 @@ Each process counts its bytes read and written (`/proc/self/io` rchar / wchar: e
 through read(2)/write(2), from the page cache or not) around `save` + `wait`, and around a
 restore in a new manager onto the same mesh (jaxckpt: verified); the step folder's files
 and bytes are counted after the save, the metadata apart (every file but the arrays' data
-files and the packed leaves' bytes). Writes `benchmarks/results/scale.md` (the table and a
+files and the packed leaves' bytes). In a bucket (gs://: fake-gcs-server, jaxckpt and plain
+Orbax; s3://: moto's S3 server, jaxckpt alone: Orbax writes no s3://) the job's requests are
+counted from the server's log instead. Writes `benchmarks/results/scale.md` (the table and a
 model of how each count grows to 256 and 1,024 hosts) and `scale.png` beside BENCHMARKS.md
 (the counts against N).
 
@@ -35,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.scale_worker import DEVICES, measure
 from benchmarks.tables import table
-from reliability import gcs
+from reliability import gcs, s3
 from tests.multihost import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,24 +45,29 @@ OUT = ROOT / "benchmarks" / "results"
 PNG = ROOT / "scale.png"
 LAYOUTS = ("replicated", "fsdp", "mixed")
 CONTENDERS = ("jaxckpt", "orbax")
+SERVERS = {"gs": gcs, "s3": s3}  # fake-gcs-server, moto's S3 server
 
 
 def run(
-    contender: str, layout: str, processes: int, mib: int, root: Path, gcs_log: Path | None
+    contender: str, layout: str, processes: int, mib: int, root: Path, store: str = "local"
 ) -> dict:
     """One job: every process's counts, and the step folder's files and bytes (on local
-    disk; on gs:// when `gcs_log`, the emulator's log, is given)."""
+    disk; in a bucket, `store` "gs" or "s3", its requests as its server logged them)."""
     name = f"{contender}-{layout}-{processes}"
     directory = root / name
     spec = {"contender": contender, "layout": layout, "mib": mib, "directory": str(directory)}
-    if gcs_log:
-        spec |= {"directory": f"gs://{gcs.BUCKET}/{name}", "gcs_log": str(gcs_log)}
+    if store != "local":
+        spec |= {
+            "directory": f"{store}://{SERVERS[store].BUCKET}/{name}",
+            "store": store,
+            "requests_log": str(root / f"{store}.log"),
+        }
     if contender == "local":
         spec["local_root"] = str(root / f"{name}-local")
     jobs = run_job(measure, processes=processes, devices=DEVICES, args=spec, timeout=600)
     reports = [r.report() for r in jobs]
     shutil.rmtree(root / f"{name}-local", ignore_errors=True)
-    if gcs_log or contender == "local":
+    if store != "local" or contender == "local":
         return {"processes": reports}
     files = {f: f.stat().st_size for f in (directory / "1").rglob("*") if f.is_file()}
     meta = [n for f, n in files.items() if f.parent.name != "d" and f.suffix != ".bin"]
@@ -118,9 +125,9 @@ def summary(job: dict) -> dict:
     }
 
 
-def gcs_summary(job: dict) -> dict:
-    """A job on gs://: its requests by kind at the save and at the restore (the emulator's
-    log, the whole job), its calls."""
+def bucket_summary(job: dict) -> dict:
+    """A job on object storage: its requests by kind at the save and at the restore (the
+    server's log, the whole job), its calls."""
     ps = job["processes"]
     save, restore = (ps[0][phase]["requests"] for phase in ("save", "restore"))
     return {
@@ -165,6 +172,8 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
     parser.add_argument("--gcs-layouts", nargs="*", default=["replicated", "fsdp"])
+    # jaxckpt only: plain Orbax writes no s3:// (google/orbax#359)
+    parser.add_argument("--s3-layouts", nargs="*", default=["replicated", "fsdp"])
     parser.add_argument("--local-layouts", nargs="*", default=["replicated", "fsdp"])
     args = parser.parse_args()
     jobs = [
@@ -173,27 +182,30 @@ def main() -> None:
     jobs += [
         ("gs", layout, contender) for layout in args.gcs_layouts for contender in args.contenders
     ]
+    jobs += [("s3", layout, "jaxckpt") for layout in args.s3_layouts]
     jobs += [("local", layout, "local") for layout in args.local_layouts]
     results = {}
     with tempfile.TemporaryDirectory(prefix="jaxckpt-scale-") as root:
-        os.environ.update(gcs.LOOPBACK_ENV)
-        log = Path(root) / "gcs.log"
-        server, url = gcs.start(log, log_level="info")
-        os.environ.update(gcs.point_at(url))
+        servers = []
         try:
+            for store, server in SERVERS.items():  # each logs a line per request
+                os.environ.update(server.LOOPBACK_ENV)
+                options = {"log_level": "info"} if server is gcs else {}
+                proc, url = server.start(Path(root) / f"{store}.log", **options)
+                servers.append((server, proc))
+                os.environ.update(server.point_at(url))
             for storage, layout, contender in jobs:
                 for n in args.processes:
-                    job = run(
-                        contender, layout, n, args.mib, Path(root), log if storage == "gs" else None
-                    )
-                    if storage == "gs":
-                        s = gcs_summary(job)
+                    job = run(contender, layout, n, args.mib, Path(root), storage)
+                    if storage in SERVERS:
+                        s = bucket_summary(job)
                     else:
                         s = (local_summary if contender == "local" else summary)(job)
                     results[(storage, layout, n, contender)] = s
                     print(storage, layout, n, contender, json.dumps(s), flush=True)
         finally:
-            gcs.stop(server)
+            for server, proc in servers:
+                server.stop(proc)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scale.json").write_text(
         json.dumps(
@@ -251,13 +263,14 @@ def write(results: dict, args) -> None:
         [layout, str(n), contender, _calls_text(s["save_calls"]), _calls_text(s["restore_calls"])]
         for (layout, n, contender), s in persistent.items()
     ]
-    on_gcs = []
+    on_buckets = []
     for (storage, layout, n, contender), s in results.items():
-        if storage == "gs":
+        if storage in SERVERS:
             save, restore = s["save_requests"], s["restore_requests"]
-            on_gcs.append(
-                [layout, str(n), contender]
+            on_buckets.append(
+                [f"{storage}://", layout, str(n), contender]
                 + [f"{save[k]:,} / {restore[k]:,}" for k in gcs.REQUEST_KINDS]
+                + [f"{sum(save.values()) / n:.0f} / {sum(restore.values()) / n:.0f}"]
                 + ["yes" if s["bitwise"] else "**no**"]
             )
     local = []
@@ -307,16 +320,17 @@ def write(results: dict, args) -> None:
             " count as well as jaxckpt's.",
             "",
             *table(["layout", "N", "contender", "save", "restore"], calls),
-            "## On gs:// (fake-gcs-server on 127.0.0.1)",
+            "## On object storage (fake-gcs-server and moto's S3 server on 127.0.0.1)",
             "",
             "The whole job's requests to the store at the save / at the restore, by kind"
-            " (the emulator's log, one line per request, between two barriers of the"
-            " harness). The emulator logs no size for a download: the bytes read are"
-            " counted on local disk, above.",
+            " (the server's log, one line per request, between two barriers of the"
+            " harness), and in all per process. The servers log no size for a download: the"
+            " bytes read are counted on local disk, above. Plain Orbax writes no s3://"
+            " (google/orbax#359).",
             "",
             *table(
-                ["layout", "N", "contender", *gcs.REQUEST_KINDS, "bitwise"],
-                on_gcs,
+                ["store", "layout", "N", "contender", *gcs.REQUEST_KINDS, "per process", "bitwise"],
+                on_buckets,
             ),
             "## The local tier",
             "",
@@ -492,7 +506,7 @@ def model(results: dict) -> list[str]:
 def plot(results: dict, out: Path) -> None:
     """First row, per layout on local disk: restore reads (whole job) and the busiest
     writer (times N) against N. Second row (replicated): a process's collectives and
-    barriers, the job's requests to gs://, the local tier's bytes per process."""
+    barriers, the job's requests to gs:// and s3://, the local tier's bytes per process."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -545,9 +559,13 @@ def plot(results: dict, out: Path) -> None:
             requests.plot(
                 [n for n, _ in got], counts, marker + style, label=f"{contender}: {phase}"
             )
+    got = series("s3", "replicated", "jaxckpt")
+    for phase, marker in (("save", "s"), ("restore", "o")):
+        counts = [sum(v[f"{phase}_requests"].values()) for _, v in got]
+        requests.plot([n for n, _ in got], counts, marker + ":", label=f"jaxckpt, s3://: {phase}")
     calls.set_title("replicated: a process's collectives + barriers + coordination calls")
     calls.set_ylabel("calls (the busiest process)")
-    requests.set_title("replicated, gs://: the job's requests")
+    requests.set_title("replicated, gs:// (and s3://): the job's requests")
     requests.set_ylabel("requests")
     for layout, style in (("replicated", "-"), ("fsdp", "--")):
         got = series("local", layout, "local")

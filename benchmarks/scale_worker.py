@@ -2,8 +2,8 @@
 process of the job): saves and restores one state, counting its own work.
 
 `job.args`: {"contender": "jaxckpt" | "orbax" | "local", "layout": "replicated" | "fsdp" |
-"mixed", "mib": ..., "directory": ..., "gcs_log": the emulator's log when `directory` is
-gs://, "local_root": the local tier's folders ("local": jaxckpt with a `LocalTier` saving
+"mixed", "mib": ..., "directory": ..., "store": "gs" | "s3" and "requests_log": its server's
+log when `directory` is in a bucket, "local_root": the local tier's folders ("local": jaxckpt with a `LocalTier` saving
 every step, one copy of each part on the next process)}; the layouts and the I/O counters
 are tests/children/spread.py's (the spread tests' own).
 
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from reliability import gcs
+from reliability import gcs, s3
 
 DEVICES = 2  # CPU devices per process
 
@@ -53,18 +53,19 @@ def measure(job: Any) -> dict:
         after = io_counts()
         return {k: after[k] - before[k] for k in before} | {"seconds": took}
 
-    gcs_log = Path(spec["gcs_log"]) if spec.get("gcs_log") else None
+    log = Path(spec["requests_log"]) if spec.get("requests_log") else None
+    parse = {"gs": gcs.requests, "s3": s3.requests}.get(spec.get("store", ""))
 
     def phase(name, run):
         """`run()` (-> its counts) met by every process between two barriers."""
         multihost_utils.sync_global_devices(f"scale:{name}:start")
-        since = gcs_log.stat().st_size if gcs_log else 0
+        since = log.stat().st_size if log else 0
         with _internals.count_collectives() as calls:
             counts = run()
         multihost_utils.sync_global_devices(f"scale:{name}:end")
         counts["calls"] = dict(calls)
-        if gcs_log and job.process_id == 0:
-            counts["requests"] = dict(Counter(k for k, _ in gcs.requests(gcs_log, since)))
+        if log and parse and job.process_id == 0:
+            counts["requests"] = dict(Counter(k for k, _ in parse(log, since)))
         return counts
 
     sharding = NamedSharding(*layout(job.num_processes, spec["layout"]))
