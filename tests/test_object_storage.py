@@ -16,6 +16,7 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from children import multihost_checkpoints as job
 from click.testing import CliRunner
@@ -237,7 +238,8 @@ def test_cli_reads_a_checkpoint_on_object_storage(bucket_dir):
 
 
 def test_every_other_entry_point_takes_a_bucket(bucket_dir, mesh, tmp_path):
-    """diff, plan, rm, jaxckpt.open and a local tier over a persistent tier in the bucket."""
+    """diff, plan, rm, jaxckpt.open, export_orbax and a local tier over a persistent tier in
+    the bucket."""
     runner = CliRunner()
 
     def state(step):
@@ -266,25 +268,14 @@ def test_every_other_entry_point_takes_a_bucket(bucket_dir, mesh, tmp_path):
     )
     plan = runner.invoke(cli.main, ["plan", bucket_dir, "--mesh", "2x4", "--hosts", "2", "--json"])
     assert plan.exit_code == 0 and json.loads(plan.output)["mesh"] == {"data": 2, "model": 4}
+    assert jaxckpt.export_orbax(bucket_dir, tmp_path / "plain", step=20) == 20
+    with ocp.StandardCheckpointer() as plain:  # plain Orbax reads the export
+        exported = plain.restore(tmp_path / "plain")
+    assert np.asarray(exported["w"]).tobytes() == np.asarray(state(20)["w"]).tobytes()
     removed = runner.invoke(cli.main, ["rm", bucket_dir, "10"])
     assert removed.exit_code == 0, removed.output
     with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
         assert m.all_steps() == [20]
-
-
-_SAVE_AND_RESTORE = """
-import sys
-import numpy as np
-import jaxckpt
-from jaxckpt import _storage
-
-x = np.arange(2**19, dtype=np.float32)  # 2 MiB: an Orbax array, through tensorstore
-with jaxckpt.CheckpointManager(sys.argv[1]) as m:
-    m.save(1, state={"x": x})
-with jaxckpt.CheckpointManager(sys.argv[1], read_only=True) as m:
-    assert m.restore().state["x"].tobytes() == x.tobytes()
-print(_storage.s3_config())
-"""
 
 
 def test_s3_is_configured_the_way_every_aws_tool_is(s3_server, tmp_path, monkeypatch):
@@ -299,12 +290,12 @@ def test_s3_is_configured_the_way_every_aws_tool_is(s3_server, tmp_path, monkeyp
         env.delenv("AWS_REGION")
         env.setenv("AWS_CONFIG_FILE", str(config))
         env.setenv("AWS_PROFILE", "ckpt")
-        out = run_python("-c", _SAVE_AND_RESTORE, f"{s3_server.url}/by-profile").stdout
+        out = run_python("-m", "children.s3_round_trip", f"{s3_server.url}/by-profile").stdout
     assert f"endpoint='{url}', region='eu-west-1', addressing_style='path'" in out, out
     with monkeypatch.context() as env:
         env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
         env.setenv("AWS_ENDPOINT_URL_S3", url)
-        out = run_python("-c", _SAVE_AND_RESTORE, f"{s3_server.url}/by-service").stdout
+        out = run_python("-m", "children.s3_round_trip", f"{s3_server.url}/by-service").stdout
     assert f"endpoint='{url}', region='us-east-1', addressing_style='path'" in out, out
 
 
