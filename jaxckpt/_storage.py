@@ -255,14 +255,16 @@ def _bucket_and_key(url: Any) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class S3Config:
-    """Where S3 requests go, as the AWS SDK resolves it (read once a process).
+    """Where S3 requests go, as the AWS SDK resolves it (again whenever one of
+    `_S3_VARIABLES` changes).
 
     `endpoint`: a custom endpoint (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or a profile's
     `endpoint_url`), None for AWS's own. `region`: `AWS_REGION`, `AWS_DEFAULT_REGION` or the
-    profile's; None: the store's default (tensorstore asks the bucket). `addressing_style`: the profile's `s3.addressing_style`,
-    else "path" for a custom endpoint (MinIO, Ceph and most S3-compatible stores serve no
-    bucket-named hosts), else None (the SDK's choice). Credentials are the SDK's chain
-    (variables, `AWS_PROFILE` and its files, the instance's role): never read here.
+    profile's; None: the store's default (tensorstore asks the bucket). `addressing_style`:
+    the profile's `s3.addressing_style`, else "path" for a custom endpoint (MinIO, Ceph and
+    most S3-compatible stores serve no bucket-named hosts), else None (the SDK's choice).
+    Credentials are the SDK's chain (variables, `AWS_PROFILE` and its files, the
+    instance's role): never read here.
     """
 
     endpoint: str | None
@@ -288,7 +290,7 @@ def s3_config() -> S3Config:
 
 
 @functools.cache
-def _s3_config(variables: tuple[str | None, ...]) -> S3Config:
+def _s3_config(variables: tuple[str | None, ...]) -> S3Config:  # (`variables`: the key)
     try:
         import boto3
         import botocore.exceptions
