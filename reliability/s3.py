@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from reliability import launch
+from reliability import gcs, launch
 
 LOOPBACK_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -33,8 +33,8 @@ LOOPBACK_ENV = {
     "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
 }
 BUCKET = "jaxckpt-test"
-# The kinds of request `requests` tells apart (reliability.gcs's, for the same tables).
-REQUEST_KINDS = ("list", "metadata", "read", "write", "delete", "other")
+# The kinds of request `requests` tells apart: reliability.gcs's, for the same tables.
+REQUEST_KINDS = gcs.REQUEST_KINDS
 # A request in the log (werkzeug's): `"GET /bucket/key?query HTTP/1.1" 200 -`.
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 

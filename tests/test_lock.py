@@ -273,16 +273,21 @@ def test_writers_racing_for_an_object_storage_lease_get_exactly_one(bucket_dir):
             lease.release()
 
 
-def test_a_frozen_writer_that_lost_its_object_storage_lease_never_writes_again(bucket_dir):
-    holder = launch.start(
+def _lease_holder(directory):
+    """children.lease_holder on `directory`: it says "holding", then saves on a line."""
+    return launch.start(
         "-m",
         "children.lease_holder",
-        bucket_dir,
+        directory,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+
+
+def test_a_frozen_writer_that_lost_its_object_storage_lease_never_writes_again(bucket_dir):
+    holder = _lease_holder(bucket_dir)
     try:
         assert launch.readline(holder, timeout=180) == "holding\n"
         holder.send_signal(signal.SIGSTOP)  # frozen past its 2 s term
@@ -334,15 +339,7 @@ def test_a_writer_that_lost_its_lease_names_its_holder_however_often_it_renews(b
     # - only once the whole term passed unrenewed: S3's times are whole seconds, and read
     #   as exact a lease renewed 1.x s ago was taken over, its holder still counting it
     #   fresh (refused only at its commit).
-    holder = launch.start(
-        "-m",
-        "children.lease_holder",
-        bucket_dir,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    holder = _lease_holder(bucket_dir)
     thief = ObjectLease(bucket_dir, 0.08)  # renewed every 20 ms
     try:
         assert launch.readline(holder, timeout=180) == "holding\n"
