@@ -68,6 +68,13 @@ def wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
     mngr._checkpointer.wait_until_finished()
 
 
+def forget_failed_save(mngr: ocp.CheckpointManager) -> None:
+    """Once a failed save's error is raised (jaxckpt raises it as SaveError), Orbax's manager
+    no longer raises it again from each later wait, `close` among them, until a new save:
+    its finalize thread, which has ended, is let go."""
+    mngr._finalize_thread.set(None)
+
+
 def array_metadata_store() -> Any:
     """Orbax's default store of per-host ArrayMetadata (PRNG key impls among them), which an
     `ArrayHandler` built by hand has only when given it."""
@@ -337,6 +344,63 @@ def _add_chunk_checksum(tspec: dict[str, Any]) -> None:
             codecs = codec["configuration"]["codecs"]
             if CHUNK_CHECKSUM not in codecs:
                 codecs.append(dict(CHUNK_CHECKSUM))
+
+
+# The directories whose step folders Orbax makes in the background with every waiter woken
+# when it fails (`wake_on_failed_creation`): jaxckpt's own persistent directories.
+_WAKING: set[str] = set()
+
+
+def wake_on_failed_creation(directory: epath.Path) -> None:
+    """A save below `directory` whose step or item folders cannot be made wakes every thread
+    that waits for them, which then fails at once, instead of after Orbax's 300 s.
+
+    Orbax makes a step's folders in a background thread (off the save's blocking path, which
+    jaxckpt's save returns from sooner for it). Each writer thread of the save, and the
+    item folders' creation, waits for the folders' "created" signal first, for Orbax's
+    coordination timeout (300 s), and a failed creation never sends it: those (non-daemon)
+    threads kept a process alive five minutes after a failed save. Orbax makes every step's
+    and item's folders in one coroutine (`atomicity._create_paths`), started by
+    `atomicity.create_all_async`, which knows the signals: both are wrapped once, and a
+    failure below such a directory sends its signals before it is raised. The writers then
+    fail on the missing folders, and the creation's own error is the save's."""
+    from orbax.checkpoint._src.futures import future, synchronization
+    from orbax.checkpoint._src.path import atomicity
+
+    _WAKING.add(str(directory).rstrip("/") + "/")
+    create_all_async = atomicity.create_all_async
+    if getattr(create_all_async, "_jaxckpt_wakes", False):
+        return
+    create_paths = atomicity._create_paths
+    signals_now = threading.local()  # the signals of the create_all_async call in progress
+
+    @functools.wraps(create_all_async)
+    def creating(paths: Any, completion_signals: Any, *args: Any, **kwargs: Any) -> Any:
+        ours = any(str(p.get_final()).startswith(tuple(_WAKING)) for p in paths)
+        signals_now.value = completion_signals if ours else None
+        try:
+            return create_all_async(paths, completion_signals, *args, **kwargs)
+        finally:
+            signals_now.value = None
+
+    @functools.wraps(create_paths)
+    def create_or_wake(*args: Any, **kwargs: Any) -> Any:
+        signals = getattr(signals_now, "value", None)
+        operation = synchronization.OperationIdGenerator.get_current_operation_id()
+
+        async def run() -> Any:
+            try:
+                return await create_paths(*args, **kwargs)
+            except BaseException:
+                if signals:
+                    future.set_signals(signals, operation_id=operation)
+                raise
+
+        return run()
+
+    creating._jaxckpt_wakes = True  # type: ignore[attr-defined]
+    atomicity.create_all_async = creating
+    atomicity._create_paths = create_or_wake
 
 
 def s3_kvstores() -> None:

@@ -65,10 +65,18 @@ REPLICA_PARALLEL_MIN_BYTES = 256 * 2**10
 DATA_FILE_BYTES = 128 * 2**20
 
 
-class _DataStateHandler(ocp.CheckpointHandler):
+class _DataStateHandler(ocp.AsyncCheckpointHandler):
     """Writes each process's data-iterator state to its own file, and beside it what the
     iterator was (`jaxckpt._iterators.describe`), checked at restore before any array is
     read. Per process, as the states are: each process's pipeline reads its own shard."""
+
+    async def async_save(self, directory: epath.Path, args: DataSave) -> list[Any]:
+        async def write() -> None:
+            self.save(directory, args)
+
+        # In a thread of its own once Orbax has made the step's folders (in the background:
+        # every item's write waits for them, as Orbax's own handlers' do).
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_data")]
 
     def save(self, directory: epath.Path, args: DataSave) -> None:
         self._path(directory, "process").write_text(args.text)
@@ -103,14 +111,13 @@ class _PackedHandler(ocp.AsyncCheckpointHandler):
     """Writes this process's pieces of every small leaf (`jaxckpt._packed`): copied to the
     host while the save blocks, written in one file in its background."""
 
-    def __init__(self) -> None:
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-packed")
-
-    async def async_save(
-        self, directory: epath.Path, args: PackedSave
-    ) -> list[concurrent.futures.Future]:
+    async def async_save(self, directory: epath.Path, args: PackedSave) -> list[Any]:
         pieces = _packed.to_host(args.items, _internals.device_buffers)
-        return [self._writer.submit(_packed.write, directory, pieces)]
+
+        async def write() -> None:
+            _packed.write(directory, pieces)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
 
     def save(self, directory: epath.Path, args: PackedSave) -> None:
         _packed.write(directory, _packed.to_host(args.items, _internals.device_buffers))
@@ -120,9 +127,6 @@ class _PackedHandler(ocp.AsyncCheckpointHandler):
 
     def metadata(self, directory: epath.Path) -> None:
         return None
-
-    def close(self) -> None:
-        self._writer.shutdown(wait=True)
 
 
 @ocp.args.register_with_handler(_PackedHandler, for_save=True)
@@ -177,6 +181,7 @@ class OrbaxStore:
         )
         if not read_only:
             _internals.checksummed(self.directory)
+            _internals.wake_on_failed_creation(self.directory)
         if str(self.directory).startswith("s3://"):
             _internals.s3_kvstores()
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
@@ -206,12 +211,10 @@ class OrbaxStore:
                 # In a job of several processes, each hashes the files it wrote before
                 # the barrier that precedes the commit (`_hash_own_files`).
                 barrier_sync_fn=_internals.barrier_after_writes(self._hash_own_files),
-                # The step's folders are made in save() itself. Made in the background,
-                # each of Orbax's (non-daemon) writer threads waits for a "created" signal
-                # for Orbax's own 300 s, not timeout_s, and a failed creation never sends
-                # it: a process could not exit for five minutes after a failed save (or a
-                # Ctrl-C inside one). Such a failure is now raised by save() at once.
-                create_directories_asynchronously=False,
+                # The step's folders are made in the background (Orbax's default: made in
+                # save() they doubled its blocking time), a failed creation waking every
+                # writer waiting for them (`_internals.wake_on_failed_creation`).
+                create_directories_asynchronously=True,
             ),
         )
         self._mngr = ocp.CheckpointManager(
@@ -416,7 +419,11 @@ class OrbaxStore:
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception:
+            _internals.forget_failed_save(self._mngr)
+            raise
         _internals.wait_for_background_commit(self._mngr)
 
     def read_arrays(

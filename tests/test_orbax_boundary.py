@@ -3,7 +3,10 @@ the one module fenced off for it): an Orbax or JAX upgrade that removes one fail
 than somewhere deep in a save. The text of JAX's coordination-service errors that
 `missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
 
+import concurrent.futures
 import json
+import subprocess
+import threading
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -205,3 +208,45 @@ def test_the_collectives_and_client_calls_counted_are_jaxs():
     assert counts == {"sync_global_devices": 1, "process_allgather": 2}, counts
     assert [getattr(multihost_utils, name) for name in _internals.COLLECTIVES] == originals
     assert distributed.global_state.client is None  # one process: no client to count
+
+
+def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_functions(tmp_path):
+    # Orbax makes a step's folders in the background and its writers wait for them for 300 s;
+    # jaxckpt's wrap (_internals.wake_on_failed_creation) wakes them when the creation fails.
+    directory = tmp_path / "ckpt"
+    m = jaxckpt.CheckpointManager(directory)
+    m.save(1, state={"w": np.ones((1024, 512), np.float32)})
+    m.wait()
+    subprocess.run(["chattr", "+i", str(directory)], check=True, timeout=30)
+    try:
+        failed = concurrent.futures.Future()
+
+        def save_and_wait():
+            try:
+                m.save(2, state={"w": np.zeros((1024, 512), np.float32)})
+                m.wait()
+            except Exception as e:
+                failed.set_result(e)
+            else:
+                failed.set_result(None)
+
+        threading.Thread(target=save_and_wait, daemon=True).start()
+        try:
+            error = failed.result(timeout=60)
+        except concurrent.futures.TimeoutError:
+            raise AssertionError(
+                "a save whose folders could not be made still waits for them: Orbax no "
+                "longer makes them in atomicity._create_paths, started by "
+                "atomicity.create_all_async: update _internals.wake_on_failed_creation"
+            ) from None
+        assert isinstance(error, jaxckpt.errors.SaveError), error
+        assert "Permission denied" in str(error) or "Operation not permitted" in str(error), error
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True, timeout=30)
+    try:
+        m.close()  # the failure was raised once, by wait()
+    except PermissionError as e:
+        raise AssertionError(
+            "Orbax's manager raised a failed save's error again from close(): it no longer "
+            "keeps it in its _finalize_thread: update _internals.forget_failed_save"
+        ) from e
