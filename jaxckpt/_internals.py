@@ -303,10 +303,21 @@ def coordinator_route() -> str:
         return s.getsockname()[0]
 
 
-# The directories whose arrays Orbax writes with a CRC-32C on every chunk (`checksummed`):
-# jaxckpt's own persistent directories. A restore then reads each byte once, tensorstore
-# checking every chunk it decodes, instead of hashing the files beside (a second read).
-_CHECKSUMMED: set[str] = set()
+# jaxckpt's own persistent directories, below which Orbax writes arrays with a CRC-32C on
+# every chunk (`checksummed`: a restore then reads each byte once, tensorstore checking
+# every chunk it decodes, instead of hashing the files beside) and wakes a save's writers
+# when its folders cannot be made (`wake_on_failed_creation`).
+_OWN: set[str] = set()
+
+
+def _add_own(directory: epath.Path) -> None:
+    _OWN.add(str(directory).rstrip("/") + "/")
+
+
+def _is_own(path: Any) -> bool:
+    return (str(path).rstrip("/") + "/").startswith(tuple(_OWN))
+
+
 CHUNK_CHECKSUM = {"name": "crc32c"}
 
 
@@ -318,7 +329,7 @@ def checksummed(directory: epath.Path) -> None:
     wrapped once, and changes only the specs of arrays below such a directory."""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    _CHECKSUMMED.add(str(directory).rstrip("/") + "/")
+    _add_own(directory)
     build = tensorstore_utils.build_array_write_spec
     if getattr(build, "_jaxckpt_checksums", False):
         return
@@ -326,8 +337,7 @@ def checksummed(directory: epath.Path) -> None:
     @functools.wraps(build)
     def with_checksums(info: Any, *args: Any, **kwargs: Any) -> Any:
         spec = build(info, *args, **kwargs)
-        parent = str(info.parent_dir).rstrip("/") + "/"
-        if any(parent.startswith(d) for d in _CHECKSUMMED):
+        if _is_own(info.parent_dir):
             _add_chunk_checksum(spec.json)
         return spec
 
@@ -346,11 +356,6 @@ def _add_chunk_checksum(tspec: dict[str, Any]) -> None:
                 codecs.append(dict(CHUNK_CHECKSUM))
 
 
-# The directories whose step folders Orbax makes in the background with every waiter woken
-# when it fails (`wake_on_failed_creation`): jaxckpt's own persistent directories.
-_WAKING: set[str] = set()
-
-
 def wake_on_failed_creation(directory: epath.Path) -> None:
     """A save below `directory` whose step or item folders cannot be made wakes every thread
     that waits for them, which then fails at once, instead of after Orbax's 300 s.
@@ -367,7 +372,7 @@ def wake_on_failed_creation(directory: epath.Path) -> None:
     from orbax.checkpoint._src.futures import future, synchronization
     from orbax.checkpoint._src.path import atomicity
 
-    _WAKING.add(str(directory).rstrip("/") + "/")
+    _add_own(directory)
     create_all_async = atomicity.create_all_async
     if getattr(create_all_async, "_jaxckpt_wakes", False):
         return
@@ -376,7 +381,7 @@ def wake_on_failed_creation(directory: epath.Path) -> None:
 
     @functools.wraps(create_all_async)
     def creating(paths: Any, completion_signals: Any, *args: Any, **kwargs: Any) -> Any:
-        ours = any(str(p.get_final()).startswith(tuple(_WAKING)) for p in paths)
+        ours = any(_is_own(p.get_final()) for p in paths)
         signals_now.value = completion_signals if ours else None
         try:
             return create_all_async(paths, completion_signals, *args, **kwargs)
