@@ -16,6 +16,7 @@ import logging
 import os
 import pstats
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -288,21 +289,41 @@ def step_times(until: threading.Event | None, count: int = 0) -> list[float]:
     return times
 
 
-baseline = step_times(None, count=30)
-slowdown = {}
-for name, c in contenders.items():
-    if isinstance(c, Raw):
-        continue  # it saves synchronously: no background to measure
-    during = []
-    for _ in range(SPEC["slowdown_runs"]):
+# Rounds alternate between the contenders, each save's steps against the steps just before
+# it (the machine's speed drifts over minutes). Per save: the slowdown (median step during
+# the save over the median alone) and the training time it cost (the steps' time above
+# what they take alone): a save three times shorter at a higher slowdown may cost less.
+slowdown: dict[str, list[dict]] = {
+    name: [] for name, c in contenders.items() if not isinstance(c, Raw)
+}  # Raw saves synchronously: no background to measure
+for round_ in range(SPEC["slowdown_runs"]):
+    for name in list(slowdown)[round_ % len(slowdown) :] + list(slowdown)[: round_ % len(slowdown)]:
+        c = contenders[name]
+        alone = statistics.median(step_times(None, count=8))
         step += 1
+        os.sync()
+        done, ended = threading.Event(), []
+
+        def wait(c=c, done=done, ended=ended):
+            c.wait()
+            ended.append(time.perf_counter())
+            done.set()
+
+        t0 = time.perf_counter()
         c.save(step)  # the blocking part is measured above; this is the background part
-        done = threading.Event()
-        waiter = threading.Thread(target=lambda c=c, done=done: (c.wait(), done.set()))
+        waiter = threading.Thread(target=wait)
         waiter.start()
-        during += step_times(done)
+        during = step_times(done)
         waiter.join()
-    slowdown[name] = during
+        slowdown[name].append(
+            {
+                "slowdown": statistics.median(during) / alone,
+                "cost": sum(during) - len(during) * alone,
+                "alone": alone,
+                "steps": len(during),
+                "save": ended[0] - t0,
+            }
+        )
 
 # ----------------------------------------------------------------------------- export
 
@@ -386,7 +407,6 @@ print(
     + json.dumps(
         {
             "contenders": results,
-            "baseline_step": baseline,
             "slowdown": slowdown,
             "export": export,
             "state_bytes": state_bytes,
