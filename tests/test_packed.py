@@ -160,6 +160,23 @@ def test_small_leaves_are_packed_and_restore_bitwise_anywhere(mesh, ckpt_dir):
     host.state["sharded"][0, 0] = 1.0  # a host array restored is the caller's to change
 
 
+def test_packed_leaves_whose_names_json_must_escape_restore_bitwise(mesh, ckpt_dir):
+    # The packed index is written as JSON text leaf by leaf (`HostPieces.index_json`).
+    rng = np.random.default_rng(5)
+    names = ['quote"d', "back\\slash", "new\nline", "tab\t", "caf\u00e9 \u540d", "{}[]:,", "\u2028"]
+    state = {
+        n: jax.device_put(rng.standard_normal((8, 4), np.float32), NamedSharding(mesh, P("data")))
+        for n in names
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        m.save(1, state=state)
+    doc = json.loads((ckpt_dir / "1/jaxckpt/jaxckpt.json").read_text())
+    assert len(doc["packed"]["state"]) == len(names)
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        got = m.restore(state=_target(state)).state
+    _assert_bitwise(got, state)
+
+
 def test_a_partial_restore_reads_only_the_packed_leaves_asked_for(mesh, ckpt_dir):
     state = _small_and_big(mesh)
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
