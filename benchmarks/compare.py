@@ -125,7 +125,8 @@ def paired(ours: list[float], theirs: list[float], limit: float, at_most: bool =
     their values round by round (the rounds alternate, so each pair ran back to back)."""
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     return (
-        f"{verdict(med(ours) / med(theirs), limit, at_most)} ({min(ratios):.2f}-{max(ratios):.2f})"
+        f"{verdict(med(ours) / med(theirs), limit, at_most)} "
+        f"({min(ratios):.2f} to {max(ratios):.2f})"
     )
 
 
