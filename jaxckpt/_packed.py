@@ -99,7 +99,7 @@ class HostPieces:
                 for offset, bounds in pieces
             )
             items.setdefault(item, []).append(
-                f'{json.dumps(name)}:{{"dtype":"{_name(dtype)}",'
+                f'{json.dumps(name)}:{{"dtype":"{_dtype_name(dtype)}",'
                 f'"shape":[{",".join(map(str, shape))}],"pieces":[{text}]}}'
             )
         leaves = ",".join(f"{json.dumps(item)}:{{{','.join(e)}}}" for item, e in items.items())
@@ -107,7 +107,7 @@ class HostPieces:
 
 
 @functools.lru_cache(maxsize=64)
-def _name(dtype: np.dtype) -> str:
+def _dtype_name(dtype: np.dtype) -> str:
     return dtype.name  # (NumPy works it out in Python each time)
 
 
