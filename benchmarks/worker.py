@@ -2,8 +2,8 @@
 
     python -m benchmarks.worker SPEC_JSON WORK_DIR
 
-Every contender saves and restores the same state, alternating, one warm-up round (its
-numbers are kept apart as the first save), then `runs` timed rounds.
+Every contender saves and restores the same state, taking turns (`in_turn`), one warm-up
+round (its numbers are kept apart as the first save), then `runs` timed rounds.
 """
 
 from __future__ import annotations
@@ -238,13 +238,30 @@ def record(contender, metric, value):
     results[contender].setdefault(metric, []).append(value)
 
 
+def in_turn(names: list, round_: int) -> list:
+    """The order of `names` in a round: the rows of a Williams design, so that over n rounds
+    (2n for an odd n) each contender follows every other one equally often (one that always
+    followed the same one would carry its after-effects: the kernel still flushing or
+    freeing its memory, its threads still winding down)."""
+    n = len(names)
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    row = [(i + round_) % n for i in base]
+    if n % 2 and round_ % (2 * n) >= n:
+        row.reverse()
+    return [names[i] for i in row]
+
+
 step = 0
 names = list(contenders)
 for round_ in range(SPEC["runs"] + 1):  # round 0 warms up (and is the first save)
     print(f"  round {round_}/{SPEC['runs']}", file=sys.stderr, flush=True)
-    # Each round starts with another contender: none always follows the same one (whose
-    # writes the kernel may still be flushing).
-    for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+    for name in in_turn(names, round_):
         c = contenders[name]
         step += 1
         os.sync()  # each save starts with no one else's writes still being flushed
@@ -297,7 +314,7 @@ slowdown: dict[str, list[dict]] = {
     name: [] for name, c in contenders.items() if not isinstance(c, Raw)
 }  # Raw saves synchronously: no background to measure
 for round_ in range(SPEC["slowdown_runs"]):
-    for name in list(slowdown)[round_ % len(slowdown) :] + list(slowdown)[: round_ % len(slowdown)]:
+    for name in in_turn(list(slowdown), round_):
         c = contenders[name]
         alone = statistics.median(step_times(None, count=8))
         step += 1
@@ -389,7 +406,8 @@ if SPEC["export"]:
     }
     export = {k: {"time": [], "rss": []} for k in ops}
     for round_ in range(SPEC["runs"] + 1):
-        for name, op in ops.items():
+        for name in in_turn(list(ops), round_):
+            op = ops[name]
             args = (e.fresh_copies(),) if op == e.gather_save_file else ()
             os.sync()
             with PeakRSS() as rss:
