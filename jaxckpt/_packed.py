@@ -68,7 +68,7 @@ READ_BATCH_BYTES = 64 * 2**20
 
 def is_small(value: Any) -> bool:
     """Whether a leaf to save is packed rather than written as an array of its own."""
-    return value.nbytes <= MAX_LEAF_BYTES
+    return value.size * value.dtype.itemsize <= MAX_LEAF_BYTES  # (jax's nbytes: ~1 us)
 
 
 # --- saving --------------------------------------------------------------------------------
@@ -136,44 +136,63 @@ def _slices(bounds: Bounds) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in bounds)
 
 
-# per (sharding, shape): each distinct shard here (position, bounds); those only this
-# process holds; those several hold (position or None, bounds, bytes, holders); the bytes
-# of the shards each process alone holds
-_PIECE_PLANS: dict[tuple, tuple[list, list, list, np.ndarray]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What `_piece_plan` works out once per (sharding, shape, dtype)."""
+
+    everything: list[tuple[int, Bounds]]  # each distinct shard here: (position, bounds)
+    own: list[tuple[int, Bounds]]  # of those, the ones only this process holds
+    shared: list[tuple]  # those several hold: (position or None, bounds, bytes, holders)
+    alone: np.ndarray  # the bytes of the shards each process alone holds
+    here: bool  # fully addressable: this process holds all of it
+    whole: bool  # held here in more than one piece: assembled into one
+    nbytes: int  # the leaf's
 
 
-def _piece_plan(value: jax.Array, local: bool, loads: np.ndarray) -> list[tuple[int, Bounds]]:
+_PIECE_PLANS: dict[tuple, _Plan] = {}
+
+
+def _piece_plan(value: jax.Array, local: bool, loads: np.ndarray) -> tuple[list, _Plan]:
     """Which of the array's addressable shards this process writes, by position, with the
     bounds of each: with `local` the first it holds of each distinct shard; otherwise those
     it alone holds, and of those several hold the ones it is the `_writer` of (`loads`: the
-    bytes each process writes, counted alike by all). Cached per sharding and shape, so
-    that a leaf costs the save's blocking path only its shards held by several."""
-    key = (value.sharding, value.shape)
-    found = _PIECE_PLANS.get(key)
-    if found is None:
-        mine: dict[Bounds, int] = {}
-        for i, shard in enumerate(value.addressable_shards):
-            mine.setdefault(bounds_of(shard.index, value.shape), i)
-        me, itemsize = jax.process_index(), np.dtype(value.dtype).itemsize
-        alone, own, shared = np.zeros(len(loads), np.int64), [], list[tuple[Any, ...]]()
-        for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
-            nbytes = math.prod(b - a for a, b in bounds) * itemsize
-            if len(holding) > 1:
-                shared.append((mine.get(bounds), bounds, nbytes, np.array(holding)))
-                continue
-            alone[holding[0]] += nbytes
-            if holding[0] == me:
-                own.append((mine[bounds], bounds))
+    bytes each process writes, counted alike by all). Cached per sharding, shape and dtype,
+    so that a leaf costs the save's blocking path only its shards held by several."""
+    key = (value.sharding, value.shape, value.dtype)
+    plan = _PIECE_PLANS.get(key)
+    if plan is None:
+        plan = _PIECE_PLANS[key] = _new_plan(value, len(loads))
         if len(_PIECE_PLANS) > 1024:
             _PIECE_PLANS.clear()
-        everything = [(i, bounds) for bounds, i in mine.items()]
-        found = _PIECE_PLANS[key] = (everything, own, shared, alone)
-    everything, own, shared, alone = found
-    if local or value.is_fully_addressable:
-        return everything
-    loads += alone
+    if local or plan.here:
+        return plan.everything, plan
+    loads += plan.alone
     me = jax.process_index()
-    return own + [(at, box) for at, box, n, among in shared if _writer(loads, n, among) == me]
+    mine = [(at, box) for at, box, n, among in plan.shared if _writer(loads, n, among) == me]
+    return plan.own + mine, plan
+
+
+def _new_plan(value: jax.Array, processes: int) -> _Plan:
+    mine: dict[Bounds, int] = {}
+    for i, shard in enumerate(value.addressable_shards):
+        mine.setdefault(bounds_of(shard.index, value.shape), i)
+    everything = [(i, bounds) for bounds, i in mine.items()]
+    shape, itemsize = value.shape, np.dtype(value.dtype).itemsize
+    nbytes = math.prod(shape) * itemsize
+    if value.is_fully_addressable:
+        whole = len(everything) > 1 or everything[0][1] != _all(shape)
+        return _Plan(everything, [], [], np.zeros(0, np.int64), True, whole, nbytes)
+    me = jax.process_index()
+    alone, own, shared = np.zeros(processes, np.int64), [], list[tuple[Any, ...]]()
+    for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
+        size = math.prod(b - a for a, b in bounds) * itemsize
+        if len(holding) > 1:
+            shared.append((mine.get(bounds), bounds, size, np.array(holding)))
+            continue
+        alone[holding[0]] += size
+        if holding[0] == me:
+            own.append((mine[bounds], bounds))
+    return _Plan(everything, own, shared, alone, False, False, nbytes)
 
 
 def to_host(
@@ -203,15 +222,15 @@ def to_host(
         for name, value in arrays.items():
             shape, dtype = value.shape, np.dtype(value.dtype)
             if isinstance(value, jax.Array):
-                plan = _piece_plan(value, local, loads)
+                plan, about = _piece_plan(value, local, loads)
                 if not plan:
                     continue
                 buffers_of = buffers(value)
                 shards = [np.asarray(buffers_of[i]) for i, _ in plan]
-                if value.is_fully_addressable and (len(plan) > 1 or plan[0][1] != _all(shape)):
+                if about.whole:
                     chunks.append((shape, dtype, plan, shards))
                     leaves.append((item, name, dtype, shape, [(offset, _all(shape))]))
-                    offset += value.nbytes
+                    offset += about.nbytes
                     continue
                 chunks.extend(shards)
                 pieces = []

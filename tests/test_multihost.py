@@ -41,6 +41,20 @@ def test_each_process_packs_each_shard_once_and_the_replicated_ones_spread(saved
         assert (packed / f"{p}-of-2.bin").stat().st_size == doc["bytes"]
 
 
+def test_replicated_pieces_are_spread_by_their_own_bytes(tmp_path):
+    # Each process writes about half: 256 + 2 x 64 and 6 x 64 bytes. Before, a leaf's bytes
+    # were counted with the dtype of the first leaf of its shape and sharding: each int8
+    # piece as 256 bytes, so process 0 wrote 512 bytes and process 1 256.
+    run_job(
+        job.save_replicated_leaves_of_two_dtypes,
+        processes=2,
+        devices=4,
+        args={"dir": str(tmp_path)},
+    )
+    packed = tmp_path / "1" / "packed"
+    assert [(packed / f"{p}-of-2.bin").stat().st_size for p in (0, 1)] == [384, 384]
+
+
 @pytest.mark.parametrize(
     "devices, shape, specs",
     [

@@ -76,6 +76,21 @@ def save(job: Job) -> dict:
     return {"steps": m.all_steps()}
 
 
+def save_replicated_leaves_of_two_dtypes(job: Job) -> dict:
+    """Step 1: leaves of one shape, replicated over the processes (each packed piece written
+    by the least-loaded of them): one float32, then eight int8."""
+    mesh = mesh_of((4, 2))
+
+    def put(x):
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i: x[i])
+
+    state = {"a": put(np.ones(64, np.float32))}
+    state |= {f"b{i}": put(np.full(64, i, np.int8)) for i in range(8)}
+    with jaxckpt.CheckpointManager(job.args["dir"]) as m:
+        m.save(1, state=state)
+    return {"steps": m.all_steps()}
+
+
 def restore(job: Job, mesh, specs, with_data):
     target = jaxckpt.target_on_mesh(ABSTRACT, mesh, specs)
     it = Iterator(job.process_id)
