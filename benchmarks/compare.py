@@ -76,7 +76,7 @@ GPU_STATE = dict(  # shapes and description set by --gpu-leaf-side
     zstd=True,
 )
 RESTORES = ("same mesh", "onto (2, 4)", "onto 1 device")
-FIRST_SAVES = 3  # fresh processes per contender: one first save is one sample of noise
+FIRST_SAVES = 7  # fresh processes per contender: one first save is one sample of noise
 SAVE_FILE = "safetensors save_file (host arrays)"
 GATHER_SAVE_FILE = "np.asarray (gather) + safetensors save_file"
 ORBAX_SAVE_FILE = "Orbax restore + np.asarray + safetensors save_file"
