@@ -53,7 +53,7 @@ from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
 from jaxckpt._storage import file_sizes, is_remote, open_inside
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
-from jaxckpt._tree import ReadRequest, is_count, is_counts
+from jaxckpt._tree import ReadRequest, dtype_name, is_count, is_counts
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
@@ -99,16 +99,11 @@ class HostPieces:
                 for offset, bounds in pieces
             )
             items.setdefault(item, []).append(
-                f'{json.dumps(name)}:{{"dtype":"{_dtype_name(dtype)}",'
+                f'{json.dumps(name)}:{{"dtype":"{dtype_name(dtype)}",'
                 f'"shape":[{",".join(map(str, shape))}],"pieces":[{text}]}}'
             )
         leaves = ",".join(f"{json.dumps(item)}:{{{','.join(e)}}}" for item, e in items.items())
         return f'{{"format":{INDEX_FORMAT},"bytes":{self.size},"leaves":{{{leaves}}}}}'
-
-
-@functools.lru_cache(maxsize=64)
-def _dtype_name(dtype: np.dtype) -> str:
-    return dtype.name  # (NumPy works it out in Python each time)
 
 
 def _whole(chunk: Any) -> np.ndarray:

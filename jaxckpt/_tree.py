@@ -62,7 +62,7 @@ class LeafSpec:
         """The spec of a leaf at a `jax.tree_util` key path (of a tree Orbax saved); `dtype`
         a NumPy dtype, or a key dtype's name (`key<fry>`)."""
         entries = path_entries(path)
-        dtype = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+        dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
         return cls(_name(entries), entries, tuple(shape), dtype, **fields)
 
     @property
@@ -291,7 +291,7 @@ def _encode(
             array = jax.random.key_data(leaf)
         else:
             _check_storable(item, entries, leaf.dtype)
-            dtype = _dtype_name(leaf.dtype)
+            dtype = dtype_name(leaf.dtype)
             array, spec = leaf, LeafSpec(name, entries, leaf.shape, dtype, sharding=layout)
         if jax.process_count() > 1 and array.is_fully_addressable:
             # A host-local array (e.g. jax.random.key(0) made on every host), which Orbax
@@ -362,7 +362,7 @@ def _check_storable(item: str, entries: tuple[tuple[str, Any], ...], dtype: np.d
 
 
 @functools.lru_cache(maxsize=256)  # numpy's dtype.name is slow Python; save blocks on this
-def _dtype_name(dtype: np.dtype) -> str:
+def dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
