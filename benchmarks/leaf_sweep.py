@@ -16,10 +16,10 @@ would copy nothing):
   all arrays opened and written (from the host) concurrently under asyncio, then all read
   back concurrently: the floor of one array per leaf;
 * JAX alone, no storage: each addressable shard copied to the host (what any save's
-  blocking part must do; the garbage collector paused, and timed up to the collection its
-  objects set off once it resumes, as jaxckpt's save is) and
-  the host arrays placed with one `jax.device_put` onto the same shardings (what any
-  restore must do after reading): the floor that JAX's per-shard cost sets, whatever the
+  blocking part must do) and the host arrays placed with one `jax.device_put` onto the
+  same shardings (what any restore must do after reading), each with the garbage collector
+  paused and timed up to the collection its objects set off once it resumes, as jaxckpt's
+  save and restore are: the floor that JAX's per-shard cost sets, whatever the
   storage. The floor of N leaves (`floors`) is jaxckpt's time for the fewest leaves plus
   JAX alone's for the N leaves' shards; the page gives jaxckpt's ratio to it.
 
@@ -44,7 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -165,23 +167,31 @@ class _Tracked:
     collection that the objects made while it was paused are due."""
 
 
-def jax_round(directory: Path, state: dict) -> dict:
+def gc_paused_timed(work: Callable[[], Any]) -> tuple[Any, float]:
+    """`work()` with the garbage collector paused, as jaxckpt's save and restore pause it,
+    and its time up to the collection that the objects it made set off once the collector
+    resumes (for a shard copy five a shard: JAX's array of it, its sharding and a tuple,
+    NumPy's view of its buffer), which jaxckpt's figures include: the next allocation
+    (the training step's) would pay it."""
     start = time.perf_counter()
     gc.disable()
     try:
-        hosts = [[np.asarray(s.data) for s in a.addressable_shards] for a in state.values()]
+        out = work()
     finally:
         gc.enable()
-    # Timed up to the collection the copy's own objects set off (five a shard: JAX's
-    # array of it, its sharding and a tuple, NumPy's view of its buffer), as jaxckpt's save
-    # is: its next allocation (here the training step's) would pay it.
     _Tracked()
-    blocked = time.perf_counter() - start
+    return out, time.perf_counter() - start
+
+
+def jax_round(directory: Path, state: dict) -> dict:
+    hosts, blocked = gc_paused_timed(
+        lambda: [[np.asarray(s.data) for s in a.addressable_shards] for a in state.values()]
+    )
     del hosts
     whole = [np.asarray(a) for a in state.values()]
-    start = time.perf_counter()
-    jax.block_until_ready(jax.device_put(whole, [a.sharding for a in state.values()]))
-    return {"block": blocked, "restore": time.perf_counter() - start}
+    shardings = [a.sharding for a in state.values()]
+    _, placed = gc_paused_timed(lambda: jax.block_until_ready(jax.device_put(whole, shardings)))
+    return {"block": blocked, "restore": placed}
 
 
 CONTENDERS = {
@@ -346,9 +356,9 @@ def main() -> None:
         "devices; jaxckpt (save: blocking and until committed; restore with checksums onto the "
         "same shardings, a (2, 4) mesh and one device), plain Orbax and tensorstore directly "
         "(a zarr3 array per leaf in one OCDBT store, all written at once), and JAX alone with no "
-        "storage (each shard copied to the host, the garbage collector paused and timed up to "
-        "the collection its objects set off once it resumes, as jaxckpt's save is; the host "
-        "arrays placed by jax.device_put): "
+        "storage (each shard copied to the host; the host arrays placed by jax.device_put; "
+        "each with the garbage collector paused and timed up to the collection its objects "
+        "set off once it resumes, as jaxckpt's save and restore are): "
         "the floor JAX's per-shard cost sets for any save's blocking part and any restore. "
         "The floor of N leaves: jaxckpt's time for the 16-leaf state plus what JAX alone "
         "takes for the N leaves' shards (save: each copied to the host; restore: the host "
