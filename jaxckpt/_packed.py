@@ -177,7 +177,6 @@ def _new_plan(value: jax.Array, processes: int) -> _Plan:
     if value.is_fully_addressable:
         whole = len(everything) > 1 or everything[0][1] != _all(shape)
         return _Plan(everything, [], [], np.zeros(0, np.int64), True, whole, nbytes)
-    me = jax.process_index()
     alone, own, shared = np.zeros(processes, np.int64), [], list[tuple[Any, ...]]()
     for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
         size = math.prod(b - a for a, b in bounds) * itemsize
@@ -185,7 +184,7 @@ def _new_plan(value: jax.Array, processes: int) -> _Plan:
             shared.append((mine.get(bounds), bounds, size, np.array(holding)))
             continue
         alone[holding[0]] += size
-        if holding[0] == me:
+        if holding[0] == jax.process_index():
             own.append((mine[bounds], bounds))
     return _Plan(everything, own, shared, alone, False, False, nbytes)
 
@@ -209,9 +208,7 @@ def to_host(
             for value in arrays.values():
                 if isinstance(value, jax.Array):
                     value.copy_to_host_async()
-    leaves: list[tuple] = []
-    chunks: list[Any] = []
-    offset = 0
+    leaves, chunks, offset = list[tuple](), list[Any](), 0
     me, loads = jax.process_index(), np.zeros(jax.process_count(), np.int64)
     for item, arrays in items.items():
         for name, value in arrays.items():
