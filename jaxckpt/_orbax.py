@@ -365,7 +365,8 @@ class OrbaxStore:
         if data is not None:
             args[_layout.DATA] = DataSave(data, data_about)
         self._saving = step
-        self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+        with _internals.writers_held():  # the background starts once this returns
+            self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
     def _saving_folder(self, step: int) -> epath.Path:
         tmp = self.directory / f"{step}{_layout.TMP_SUFFIX}"

@@ -250,3 +250,25 @@ def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_fu
             "Orbax's manager raised a failed save's error again from close(): it no longer "
             "keeps it in its _finalize_thread: update _internals.forget_failed_save"
         ) from e
+
+
+def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_released(tmp_path):
+    # jaxckpt's save starts its background once its blocking part returns
+    # (_internals.writers_held, through the wrap of atomicity._create_paths).
+    directory = epath.Path(tmp_path / "ckpt")
+    _internals.wake_on_failed_creation(directory)
+    m = ocp.CheckpointManager(directory)
+    try:
+        with _internals.writers_held() as hold:
+            m.save(1, args=ocp.args.StandardSave({"w": np.ones((256, 256), np.float32)}))
+            assert hold.parked.wait(timeout=60), (
+                "a held save never reached the creation of its folders: Orbax no longer makes "
+                "them in atomicity._create_paths: update _internals.wake_on_failed_creation"
+            )
+            assert not [p.name for p in directory.iterdir() if p.name.startswith("1")]
+        m.wait_until_finished()
+        assert m.all_steps() == [1]
+        restored = m.restore(1, args=ocp.args.StandardRestore())
+        assert np.array_equal(restored["w"], np.ones((256, 256), np.float32))
+    finally:
+        m.close()
