@@ -481,12 +481,16 @@ class PackedStep:
             self._sized.add(process)
 
     def read_pieces(self, pieces: Iterable[Piece]) -> dict[Piece, np.ndarray]:
-        """The bytes of each piece, in as few reads as their offsets allow: a run of pieces
-        less than _MERGE_GAP apart in one process's file is one read."""
+        """The bytes of each piece. On object storage in as few requests as their offsets
+        allow: a run of pieces less than _MERGE_GAP apart in one process's file is one, the
+        pieces views of its bytes. On local disk each piece is read into memory of its own:
+        a batch's one buffer was new memory from the kernel at each restore, faulted in page
+        by page as it was read (0.15-0.2 s for 64 MiB on these VMs, the read 0.02 s)."""
         by_process: dict[int, list[Piece]] = {}
         for p in pieces:
             by_process.setdefault(p.process, []).append(p)
         out: dict[Piece, np.ndarray] = {}
+        merge = is_remote(self.folder)
         for process, found in by_process.items():
             found.sort(key=lambda p: p.offset)
             runs: list[list[Piece]] = [[found[0]]]
@@ -495,9 +499,8 @@ class PackedStep:
                 run_start, last = runs[-1][0].offset, runs[-1][-1]
                 span = p.offset + p.nbytes - run_start
                 # merged only across small gaps, reading at most as much unwanted as wanted
-                if p.offset - (last.offset + last.nbytes) < _MERGE_GAP and span <= 2 * (
-                    wanted + p.nbytes
-                ):
+                gap = p.offset - (last.offset + last.nbytes)
+                if merge and gap < _MERGE_GAP and span <= 2 * (wanted + p.nbytes):
                     runs[-1].append(p)
                     wanted += p.nbytes
                 else:
@@ -519,10 +522,7 @@ class PackedStep:
                         )
                     for p in run:
                         out[p] = view[p.offset - start : p.offset - start + p.nbytes]
-                        if (
-                            p.digest is not None
-                            and xxhash.xxh3_64_hexdigest(out[p].data) != p.digest
-                        ):
+                        if p.digest and xxhash.xxh3_64_hexdigest(out[p].data) != p.digest:
                             raise ValueError(
                                 f"{PACKED}/{rel}: the {p.nbytes} bytes at byte {p.offset} do "
                                 "not match their checksum in the index (the file is damaged)"
