@@ -94,9 +94,15 @@ def unsafe_entries(step_dir: epath.Path) -> list[str]:
     return _listing(step_dir)[1]
 
 
+def hasher() -> Any:
+    """A new hash of the manifest's kind (`HASH`): `update(bytes)`, then `hexdigest()`, for
+    a file hashed as it is written (`_packed.write`), never read back."""
+    return xxhash.xxh3_128()
+
+
 def digest(root: epath.Path, rel: str) -> tuple[int, str]:
     """The size and XXH3-128 hex digest of the file `root/rel` (opened without links)."""
-    h, size = xxhash.xxh3_128(), 0
+    h, size = hasher(), 0
     with open_inside(root, rel) as f:
         for chunk in _chunks(f):
             h.update(chunk)  # releases the GIL: hashing does not stall the training thread

@@ -1,9 +1,9 @@
-"""The Orbax adapter: the persistent tier through Orbax (with `_internals`, the only modules
-that import Orbax).
+"""The Orbax adapter: the persistent tier through Orbax's manager (what it writes through
+which handler is `jaxckpt._orbax_items`'; Orbax's private names are `jaxckpt._internals`').
 
 jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt._tree`) and small JSON documents;
-everything about handlers, restore args and Orbax's step folders stays in this file, so the
-Orbax API (v0 `CheckpointManager` today) can be swapped without touching the rest. What a
+everything about handlers, restore args and Orbax's step folders stays in these modules, so
+the Orbax API (v0 `CheckpointManager` today) can be swapped without touching the rest. What a
 step is on disk is `jaxckpt._layout`'s.
 """
 
@@ -17,12 +17,19 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import xxhash
 from etils import epath
 
-from jaxckpt import _integrity, _internals, _layout, _orbax_steps, _packed, _transfer
+from jaxckpt import (
+    _integrity,
+    _internals,
+    _layout,
+    _orbax_items,
+    _orbax_steps,
+    _packed,
+    _transfer,
+)
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote, open_inside
@@ -54,103 +61,6 @@ class _UnlistedSteps:
 
     def find_all(self, base_path: epath.PathLike) -> Iterator[Any]:
         return iter(())
-
-
-# A replicated array (only those above `_packed.MAX_LEAF_BYTES` are Orbax's) is written by
-# its replicas in slices of at least this many bytes each: the busiest process writes ~1/N
-# of it (benchmarks/scale.py).
-REPLICA_PARALLEL_MIN_BYTES = 256 * 2**10
-# OCDBT packs a process's writes of an item into data files of about the size a save
-# asks, written in parallel (without a target, one file at a time: 2-3x slower,
-# BENCHMARKS.md): its share in DATA_FILES files, each of DATA_FILE_BYTES at most and
-# MIN_DATA_FILE_BYTES at least. One 64 MiB file took 0.127 s to save where eight took
-# 0.107 s (the disk's floor here 0.074 s); 1 GiB saves alike in 8 or 64 files.
-DATA_FILES = 8
-MIN_DATA_FILE_BYTES = 8 * 2**20
-DATA_FILE_BYTES = 128 * 2**20
-
-
-def data_file_bytes(leaves: Mapping[str, Any]) -> int:
-    """The data-file size OCDBT is asked for when this process writes its share of `leaves`
-    (every process about as much: each writes its shards, replicas spread among them)."""
-    share = sum(a.size * a.dtype.itemsize for a in leaves.values()) // jax.process_count()
-    return min(max(-(-share // DATA_FILES), MIN_DATA_FILE_BYTES), DATA_FILE_BYTES)
-
-
-class _DataStateHandler(ocp.AsyncCheckpointHandler):
-    """Writes each process's data-iterator state to its own file, and beside it what the
-    iterator was (`jaxckpt._iterators.describe`), checked at restore before any array is
-    read. Per process, as the states are: each process's pipeline reads its own shard."""
-
-    async def async_save(self, directory: epath.Path, args: DataSave) -> list[Any]:
-        async def write() -> None:
-            self.save(directory, args)
-
-        # In a thread of its own once Orbax has made the step's folders (in the background:
-        # every item's write waits for them, as Orbax's own handlers' do).
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_data")]
-
-    def save(self, directory: epath.Path, args: DataSave) -> None:
-        self._path(directory, "process").write_text(args.text)
-        if args.about is not None:
-            self._path(directory, "iterator").write_text(args.about)
-
-    def restore(self, directory: epath.Path, args: DataRestore | None = None) -> str:
-        raise NotImplementedError("read as plain files: jaxckpt._layout.read_data_state")
-
-    def metadata(self, directory: epath.Path) -> None:
-        return None
-
-    @staticmethod
-    def _path(directory: epath.Path, kind: str) -> epath.Path:
-        return directory / _layout.data_file(kind, jax.process_index(), jax.process_count())
-
-
-@ocp.args.register_with_handler(_DataStateHandler, for_save=True)
-@dataclasses.dataclass
-class DataSave(ocp.args.CheckpointArgs):
-    text: str
-    about: str | None = None
-
-
-@ocp.args.register_with_handler(_DataStateHandler, for_restore=True)  # Orbax needs both
-@dataclasses.dataclass
-class DataRestore(ocp.args.CheckpointArgs):
-    pass
-
-
-class _PackedHandler(ocp.AsyncCheckpointHandler):
-    """Writes this process's pieces of every small leaf (`jaxckpt._packed`): copied to the
-    host while the save blocks, written in one file in its background."""
-
-    async def async_save(self, directory: epath.Path, args: PackedSave) -> list[Any]:
-        pieces = _packed.to_host(args.items, _internals.device_buffers)
-
-        async def write() -> None:
-            _packed.write(directory, pieces)
-
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
-
-    def save(self, directory: epath.Path, args: PackedSave) -> None:
-        _packed.write(directory, _packed.to_host(args.items, _internals.device_buffers))
-
-    def restore(self, directory: epath.Path, args: PackedRestore | None = None) -> None:
-        raise NotImplementedError("read through jaxckpt._packed.PackedStep")
-
-    def metadata(self, directory: epath.Path) -> None:
-        return None
-
-
-@ocp.args.register_with_handler(_PackedHandler, for_save=True)
-@dataclasses.dataclass
-class PackedSave(ocp.args.CheckpointArgs):
-    items: Mapping[str, Mapping[str, Any]]
-
-
-@ocp.args.register_with_handler(_PackedHandler, for_restore=True)  # Orbax needs both
-@dataclasses.dataclass
-class PackedRestore(ocp.args.CheckpointArgs):
-    pass
 
 
 class OrbaxStore:
@@ -189,7 +99,7 @@ class OrbaxStore:
         arrays = ocp.PyTreeCheckpointHandler(
             use_compression=compression == "zstd",
             use_zarr3=True,
-            type_handler_registry=_registry(),
+            type_handler_registry=_orbax_items.registry(),
         )
         if not read_only:
             _internals.checksummed(self.directory)
@@ -199,7 +109,7 @@ class OrbaxStore:
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(
-            use_zarr3=True, type_handler_registry=_registry(array_metadata=False)
+            use_zarr3=True, type_handler_registry=_orbax_items.registry(array_metadata=False)
         )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
@@ -229,14 +139,15 @@ class OrbaxStore:
                 create_directories_asynchronously=True,
             ),
         )
+        self._packed_handler = _orbax_items.PackedHandler()
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=options,
             item_handlers={
                 _layout.STATE: arrays,
                 _layout.RNG: arrays,
-                _layout.DATA: _DataStateHandler(),
-                _layout.PACKED: _PackedHandler(),
+                _layout.DATA: _orbax_items.DataStateHandler(),
+                _layout.PACKED: self._packed_handler,
                 _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
             },
         )
@@ -367,16 +278,17 @@ class OrbaxStore:
                 leaves = {n: a for n, a in leaves.items() if n not in small[item]}
             if leaves:
                 args[item] = ocp.args.PyTreeSave(
-                    leaves, ocdbt_target_data_file_size=data_file_bytes(leaves)
+                    leaves, ocdbt_target_data_file_size=_orbax_items.data_file_bytes(leaves)
                 )
         if any(small.values()):
-            args[_layout.PACKED] = PackedSave(small)
+            args[_layout.PACKED] = _orbax_items.PackedSave(small)
             packed = {item: frozenset(names) for item, names in small.items() if names}
             info = dataclasses.replace(info, packed=packed)
         args[_layout.META_DIR] = ocp.args.JsonSave(info.to_json())
         if data is not None:
-            args[_layout.DATA] = DataSave(data, data_about)
+            args[_layout.DATA] = _orbax_items.DataSave(data, data_about)
         self._saving = step
+        self._packed_handler.written = {}  # (a step without small leaves calls it not)
         with _internals.writers_held():  # the background starts once this returns
             self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -395,13 +307,15 @@ class OrbaxStore:
         if (step := self._saving) is None:
             return
         folder = self._saving_folder(step)
+        written = self._packed_handler.written
         try:
             own = _integrity.process_files(folder, jax.process_index(), jax.process_count())
+            own = {rel: now for rel, now in own.items() if rel not in written}
             found = _integrity.digests(folder, list(own.values()))
         except OSError as e:  # not fatal: process 0 hashes those files itself
             log.warning("could not hash this process's files of step %d: %s", step, e)
             return
-        hashed = {rel: found[now] for rel, now in own.items()}
+        hashed = written | {rel: found[now] for rel, now in own.items()}
         _internals.publish(f"{self._digests_key(step)}/{jax.process_index()}", json.dumps(hashed))
 
     def _finalized(self) -> None:
@@ -415,7 +329,7 @@ class OrbaxStore:
         (`_packed.merge`) and the manifest of the step's `folder` (of the files the other
         processes hashed, what they found), then the lock asked again; a writer that lost
         it never commits."""
-        hashed: dict[str, Any] = {}
+        hashed: dict[str, Any] = dict(self._packed_handler.written)
         if self._saving is not None and jax.process_count() > 1:
             for found in _internals.take(self._digests_key(self._saving)):
                 hashed |= json.loads(found)
@@ -583,28 +497,3 @@ class OrbaxStore:
         except Exception as e:
             log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
             return False
-
-
-def _registry(array_metadata: bool = True) -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's handlers for the two leaf types jaxckpt hands it, with replica-parallel
-    writes only where they pay off.
-
-    Orbax splits a replicated shard among its replicas, one compiled `lax.slice` per
-    distinct piece on the save's blocking path: the first save of a training state with
-    replicated biases and norms compiled for ~2 s. One process gains nothing from it (it
-    writes every piece anyway), so only several processes use it, and only for pieces of
-    at least REPLICA_PARALLEL_MIN_BYTES (the small leaves are packed, `_packed`, their
-    pieces spread over the processes holding them). `array_metadata`: with Orbax's
-    per-process ArrayMetadata, which a save writes as Orbax's own would (a read needs none).
-    """
-    return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler()),
-        (
-            jax.Array,
-            ocp.type_handlers.ArrayHandler(
-                use_replica_parallel=jax.process_count() > 1,
-                min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-                array_metadata_store=_internals.array_metadata_store() if array_metadata else None,
-            ),
-        ),
-    )

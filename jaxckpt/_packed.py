@@ -39,9 +39,8 @@ import functools
 import itertools
 import json
 import math
-import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -49,9 +48,10 @@ import numpy as np
 import xxhash
 from etils import epath
 
+from jaxckpt._integrity import hasher
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
-from jaxckpt._storage import file_sizes, is_remote, open_inside
+from jaxckpt._storage import file_sizes, is_remote, open_inside, write_file
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
 from jaxckpt._tree import ReadRequest, dtype_name, is_count, is_counts
 
@@ -253,14 +253,15 @@ def _all(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((0, n) for n in shape)
 
 
-def write(folder: epath.Path, pieces: HostPieces) -> None:
+def write(folder: epath.Path, pieces: HostPieces) -> dict[str, tuple[int, str]]:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
-    holds at most one leaf beyond what the save copied off the devices."""
+    holds at most one leaf beyond what the save copied off the devices. Returns the size
+    and manifest digest of each file (`_integrity.hasher`), made as it was written."""
     data, index = packed_files(jax.process_index(), jax.process_count())
     digests: list[str] = []
-    _write(folder, data, pieces.chunks, digests)
-    _write(folder, index, [pieces.index_json(digests).encode()], [])
+    written = {data: _write(folder, data, pieces.chunks, digests)}
+    return written | {index: _write(folder, index, [pieces.index_json(digests).encode()], [])}
 
 
 def merge(folder: epath.Path, processes: int) -> None:
@@ -283,25 +284,20 @@ def merge(folder: epath.Path, processes: int) -> None:
     _write(folder, PACKED_INDEX, [json.dumps(doc).encode()], [])
 
 
-def _write(folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]) -> None:
-    """One file of `chunks`, the digest of each appended to `digests` as it is written."""
-    remote = is_remote(folder)  # an object appears once closed: never a part of one
-    f = (folder / name).open("wb") if remote else open(folder / name, "wb", _WRITE_BUFFER)  # noqa: SIM115
-    try:
+def _write(
+    folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]
+) -> tuple[int, str]:
+    """One file of `chunks`, the XXH3-64 of each appended to `digests` as it is written;
+    returns the file's size and manifest digest (it is never read back to be hashed)."""
+
+    def digested() -> Iterator[Any]:
         for chunk in chunks:
             data = _bytes(chunk)
             digests.append(xxhash.xxh3_64_hexdigest(data))  # releases the GIL, as writing does
-            f.write(data)
-        if not remote:
-            f.flush()
-            os.fsync(f.fileno())  # as durable as tensorstore's own files
-    except BaseException:
-        getattr(f, "discard", f.close)()  # an object: never written
-        raise
-    f.close()
+            yield data
 
-
-_WRITE_BUFFER = 8 * 2**20  # small pieces are gathered into writes of this size
+    whole = hasher()
+    return write_file(folder, name, digested(), whole), whole.hexdigest()
 
 
 def _bytes(chunk: Any) -> Any:

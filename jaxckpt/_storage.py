@@ -26,7 +26,7 @@ import io
 import os
 import stat
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from jaxckpt.errors import ConfigError
@@ -163,6 +163,33 @@ def open_inside(root: Any, rel: str, size: int | None = None) -> Any:
         os.close(file_fd)
         raise OSError(f"{rel} is not a regular file")
     return os.fdopen(file_fd, "rb")
+
+
+def write_file(folder: Any, name: str, chunks: Iterable[Any], digest: Any) -> int:
+    """Writes the file `folder/name` of `chunks` (bytes-like, in order), each given to
+    `digest.update` too as it is written; returns its size. Locally small chunks are
+    gathered into writes of _WRITE_BUFFER and the file is synced before this returns (as
+    durable as tensorstore's own files); on object storage an object appears once closed,
+    never a part of one, and none where a chunk fails."""
+    remote = is_remote(folder)
+    f = (folder / name).open("wb") if remote else open(folder / name, "wb", _WRITE_BUFFER)  # noqa: SIM115
+    size = 0
+    try:
+        for data in chunks:
+            digest.update(data)
+            size += len(data)
+            f.write(data)
+        if not remote:
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        getattr(f, "discard", f.close)()  # an object: never written
+        raise
+    f.close()
+    return size
+
+
+_WRITE_BUFFER = 8 * 2**20
 
 
 class _Object(io.RawIOBase):

@@ -81,6 +81,20 @@ def test_without_fallback_the_latest_corrupt_step_is_an_error(two_steps):
         m.restore(state={"w": np.zeros_like(BIG), "b": np.zeros(3)})
 
 
+def test_a_save_hashes_its_packed_file_as_it_writes_it_never_reading_it_back(ckpt_dir):
+    # 16 MiB of small leaves in one packed file: its manifest digest is made from the bytes
+    # as they are written (on object storage, reading it back was a download of the file).
+    rng = np.random.default_rng(2)
+    state = {f"s{i}": rng.standard_normal(128 * 1024).astype(np.float32) for i in range(32)}
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        before = io_counts()["rchar"]
+        m.save(1, state=state)
+        m.wait()
+        read = io_counts()["rchar"] - before
+    assert read < 2**20, read
+    assert [r.ok for r in jaxckpt.verify(ckpt_dir)] == [True]
+
+
 @pytest.mark.parametrize("where", ["state", "packed"], ids=["orbax-array", "packed-leaves"])
 def test_a_verified_restore_reads_each_byte_once_and_still_names_a_damaged_file(ckpt_dir, where):
     # 8 MiB in one Orbax array, 2 MiB in small (packed) leaves: every byte checked as it is
