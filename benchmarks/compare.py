@@ -54,6 +54,13 @@ STATES = {
         export=True,
         zstd=False,
     ),
+    "512MiB": dict(
+        description="~512 MiB float32, 16 leaves of 32 MiB",
+        shapes=[(2048, 4096)] * 16,
+        reshard=True,
+        export=False,
+        zstd=False,
+    ),
     "1GiB-adamw": dict(
         description="~1 GiB: float32 params + AdamW mu and nu (3 x 16 leaves of 21 MiB)",
         shapes=[(2304, 2304)] * 48,
