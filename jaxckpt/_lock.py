@@ -7,7 +7,7 @@ refused with that name, and a lock left by a dead process is free again at once.
 Object storage (gs://, s3://) has no locks, so the writer holds a *lease*: the same object,
 created only if absent and rewritten only if unchanged since the holder's last write
 (conditions the server decides, atomically: GCS `ifGenerationMatch`, S3 `If-None-Match: *`
-and `If-Match: <ETag>`; `_storage.lease_object`), renewed by a thread every quarter of its
+and `If-Match: <ETag>`; `_leases.lease_object`), renewed by a thread every quarter of its
 term. A second writer is refused while the lease is renewed. A lease left unrenewed
 for its whole term (its holder died or froze) is taken over by the next writer, judged by
 the server's clock, so host clocks do not matter. A writer that lost its lease (it froze
@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt._layout import LOCK_FILE
-from jaxckpt._storage import Conflict, file_kind, is_remote, lease_object
+from jaxckpt._leases import Conflict, lease_object
+from jaxckpt._storage import file_kind, is_remote
 from jaxckpt.errors import LockedError
 
 log = logging.getLogger("jaxckpt")

@@ -5,8 +5,7 @@ Object stores have no rename (a "rename" copies every object), no advisory locks
 object appears whole or not at all. Modules that must act differently ask `is_remote`.
 Listings and small files go through fsspec (gcsfs, s3fs: epath's backends too); the
 conditional writes of the writer lease, which fsspec lacks, through each store's own SDK
-(`lease_object`: google-cloud-storage, boto3); tensorstore's kvstore of an s3:// folder is
-`s3_kvstore`'s. S3 is configured the way every AWS tool is (`s3_config`).
+(`jaxckpt._leases`); tensorstore's kvstore of an s3:// folder is `s3_kvstore`'s. S3 is configured the way every AWS tool is (`s3_config`).
 
 Every request to object storage counts at pod scale, where each process makes it: a
 listing here is one request per 1,000 names (a folder's whole tree in one), and a file is
@@ -16,10 +15,8 @@ its metadata, a listing to tell it from a folder, ...).
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
-import datetime
-import email.utils
 import errno
 import functools
 import io
@@ -167,29 +164,74 @@ def open_inside(root: Any, rel: str, size: int | None = None) -> Any:
 
 def write_file(folder: Any, name: str, chunks: Iterable[Any], digest: Any) -> int:
     """Writes the file `folder/name` of `chunks` (bytes-like, in order), each given to
-    `digest.update` too as it is written; returns its size. Locally small chunks are
-    gathered into writes of _WRITE_BUFFER and the file is synced before this returns (as
-    durable as tensorstore's own files); on object storage an object appears once closed,
-    never a part of one, and none where a chunk fails."""
-    remote = is_remote(folder)
-    f = (folder / name).open("wb") if remote else open(folder / name, "wb", _WRITE_BUFFER)  # noqa: SIM115
+    `digest.update` too as it is written; returns its size. Locally synced before this
+    returns (as durable as tensorstore's own files); on object storage an object appears
+    once closed, never a part of one, and none where a chunk fails."""
+    if not is_remote(folder):
+        return _write_local(folder / name, chunks, digest)
+    f = (folder / name).open("wb")
     size = 0
     try:
         for data in chunks:
             digest.update(data)
             size += len(data)
             f.write(data)
-        if not remote:
-            f.flush()
-            os.fsync(f.fileno())
     except BaseException:
-        getattr(f, "discard", f.close)()  # an object: never written
+        f.discard()  # (gcsfs's and s3fs's files: the object is never written)
         raise
     f.close()
     return size
 
 
-_WRITE_BUFFER = 8 * 2**20
+_WRITE_BUFFER = 2**20
+
+
+def _write_local(path: Any, chunks: Iterable[Any], digest: Any) -> int:
+    """`write_file` on local disk: the chunks gathered in two buffers of _WRITE_BUFFER
+    bytes in turn, each written by a thread of its own while the other fills, so that the
+    caller's chunks (assembled, hashed: holding the GIL) and the kernel's copy into the page
+    cache overlap: 4,096 small leaves' file in 0.20 s of a save's background, not 0.30 s
+    (one buffered file, each write waited for). A chunk of a buffer's size or more is
+    written as it is."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    buffers = [memoryview(bytearray(_WRITE_BUFFER)) for _ in range(2)]
+    writes: list[Any] = [None, None]  # in flight from each turn (its buffer not to refill)
+    size = fill = turn = 0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-write") as writer:
+
+            def send(view: memoryview) -> None:  # one writer thread: in order
+                nonlocal fill, turn
+                writes[turn] = writer.submit(_write_all, fd, view)
+                fill, turn = 0, 1 - turn
+                if writes[turn] is not None:
+                    writes[turn].result()
+
+            for data in chunks:
+                digest.update(data)
+                view = memoryview(data).cast("B")
+                size += view.nbytes
+                if fill and fill + view.nbytes > _WRITE_BUFFER:
+                    send(buffers[turn][:fill])
+                if view.nbytes >= _WRITE_BUFFER:
+                    send(view)
+                    continue
+                buffers[turn][fill : fill + view.nbytes] = view
+                fill += view.nbytes
+            if fill:
+                send(buffers[turn][:fill])
+            for write in writes:
+                if write is not None:
+                    write.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
 
 
 class _Object(io.RawIOBase):
@@ -273,7 +315,7 @@ def _filesystem(url: Any) -> tuple[Any, str]:
     return fsspec.filesystem(protocol), key
 
 
-def _bucket_and_key(url: Any) -> tuple[str, str]:
+def bucket_and_key(url: Any) -> tuple[str, str]:
     return str(url).partition("://")[2].partition("/")[::2]
 
 
@@ -350,7 +392,7 @@ def s3_kvstore(url: str) -> dict[str, Any]:
     and region, so that the arrays go where the listings do (tensorstore's s3 driver reads no
     endpoint from the environment or a profile). It finds the credentials itself, through
     the same chain: variables, AWS_PROFILE's files, the instance's role."""
-    bucket, key = _bucket_and_key(url)
+    bucket, key = bucket_and_key(url)
     config = s3_config()
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
     if config.endpoint is not None:
@@ -358,210 +400,3 @@ def s3_kvstore(url: str) -> dict[str, Any]:
     if config.region is not None:
         spec["aws_region"] = config.region
     return spec
-
-
-# ------------------------------------------------------------ the writer lease's object
-
-
-class Conflict(Exception):
-    """A conditional write or delete the store refused: the object exists (a create) or
-    changed since the version given."""
-
-
-class _LeaseObject:
-    """One object written only on a condition the store decides (the writer lease,
-    `jaxckpt._lock.ObjectLease`): `create` if absent, `replace`/`delete` if unchanged since
-    `version` (Conflict otherwise). A version is opaque (a GCS generation, an S3 ETag).
-    Any other error of the store is OSError. `clock_resolution_s`: how coarse the store's
-    times are (`current`, `server_now`)."""
-
-    clock_resolution_s = 0.0
-
-    def create(self, data: bytes) -> Any:
-        raise NotImplementedError
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        raise NotImplementedError
-
-    def current(self) -> tuple[Any, datetime.datetime] | None:
-        """The object's version and when it was last written, by the store's clock; None
-        if there is none."""
-        raise NotImplementedError
-
-    def read(self, version: Any = None) -> bytes | None:
-        """The object's bytes if it is still at `version` (None: whatever it is now); None
-        if it changed or is gone."""
-        raise NotImplementedError
-
-    def delete(self, version: Any) -> None:
-        raise NotImplementedError
-
-    def server_now(self) -> datetime.datetime:
-        """The store's clock now (host clocks do not matter)."""
-        raise NotImplementedError
-
-
-def lease_object(url: str) -> _LeaseObject | None:
-    """The object at `url` for a lease, on a store that has conditional writes (gs://,
-    s3://); None on any other."""
-    if url.startswith("gs://"):
-        return _GcsObject(url)
-    if url.startswith("s3://"):
-        return _S3Object(url)
-    return None
-
-
-class _GcsObject(_LeaseObject):
-    """Generation preconditions (`ifGenerationMatch`, 0: absent)."""
-
-    def __init__(self, url: str):
-        self._bucket, self._name = _bucket_and_key(url)
-
-    def _blob(self) -> Any:
-        return _gcs_client().bucket(self._bucket).blob(self._name)
-
-    def create(self, data: bytes) -> Any:
-        return self.replace(data, 0)
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        blob = self._blob()
-        with _gcs_errors():
-            blob.upload_from_string(data, "application/json", if_generation_match=version)
-        return blob.generation
-
-    def current(self) -> tuple[Any, datetime.datetime] | None:
-        with _gcs_errors():
-            blob = _gcs_client().bucket(self._bucket).get_blob(self._name)
-        return None if blob is None else (blob.generation, blob.updated)
-
-    def read(self, version: Any = None) -> bytes | None:
-        try:
-            with _gcs_errors():
-                return bytes(self._blob().download_as_bytes(if_generation_match=version))
-        except (Conflict, FileNotFoundError):
-            return None
-
-    def delete(self, version: Any) -> None:
-        with _gcs_errors():
-            self._blob().delete(if_generation_match=version)
-
-    def server_now(self) -> datetime.datetime:
-        probe = _gcs_client().bucket(self._bucket).blob(f"{self._name}.probe-{os.urandom(8).hex()}")
-        with _gcs_errors():
-            probe.upload_from_string(b"")
-            try:
-                return probe.time_created
-            finally:
-                probe.delete()
-
-
-@functools.cache
-def _gcs_client() -> Any:
-    try:
-        from google.cloud import storage
-    except ImportError as e:
-        raise ConfigError(
-            "gs:// directories need google-cloud-storage and gcsfs: pip install 'jaxckpt[gcs]'"
-        ) from e
-    # STORAGE_EMULATOR_HOST (an emulator) is honoured by the client itself.
-    return storage.Client()
-
-
-@contextlib.contextmanager
-def _gcs_errors() -> Iterator[None]:
-    """google-cloud-storage's errors as `_LeaseObject`'s."""
-    from google.api_core import exceptions
-
-    try:
-        yield
-    except exceptions.PreconditionFailed as e:
-        raise Conflict(str(e)) from e
-    except exceptions.NotFound as e:
-        raise FileNotFoundError(str(e)) from e
-    except exceptions.GoogleAPICallError as e:
-        raise OSError(str(e)) from e
-
-
-class _S3Object(_LeaseObject):
-    """S3's conditional writes: `If-None-Match: *` to create, `If-Match: <ETag>` to
-    replace or delete (AWS since 2024; MinIO, Ceph and moto have them too). Its times are
-    HTTP dates, in whole seconds."""
-
-    clock_resolution_s = 1.0
-
-    def __init__(self, url: str):
-        self._bucket, self._key = _bucket_and_key(url)
-
-    def create(self, data: bytes) -> Any:
-        with _s3_errors():
-            return self._put(data, IfNoneMatch="*")
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        try:
-            with _s3_errors():
-                return self._put(data, IfMatch=version)
-        except FileNotFoundError as e:  # S3 answers 404, not 412, once it is gone
-            raise Conflict(str(e)) from e
-
-    def _put(self, data: bytes, **condition: str) -> Any:
-        put = _s3_client().put_object
-        return put(Bucket=self._bucket, Key=self._key, Body=data, **condition)["ETag"]
-
-    def current(self) -> tuple[Any, datetime.datetime] | None:
-        try:
-            with _s3_errors():
-                found = _s3_client().head_object(Bucket=self._bucket, Key=self._key)
-        except FileNotFoundError:
-            return None
-        return found["ETag"], found["LastModified"]
-
-    def read(self, version: Any = None) -> bytes | None:
-        condition = {} if version is None else {"IfMatch": version}
-        try:
-            with _s3_errors():
-                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, **condition)
-                return bytes(got["Body"].read())
-        except (Conflict, FileNotFoundError):
-            return None
-
-    def delete(self, version: Any) -> None:
-        with _s3_errors():
-            _s3_client().delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
-
-    def server_now(self) -> datetime.datetime:
-        with _s3_errors():
-            found = _s3_client().head_bucket(Bucket=self._bucket)
-        return email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
-
-
-def _s3_client() -> Any:
-    return _s3_client_for(s3_config())
-
-
-@functools.cache
-def _s3_client_for(config: S3Config) -> Any:
-    import boto3
-    import botocore.config
-
-    style = {"addressing_style": config.addressing_style} if config.addressing_style else None
-    settings = botocore.config.Config(s3=style)
-    return boto3.session.Session().client("s3", region_name=config.region, config=settings)
-
-
-@contextlib.contextmanager
-def _s3_errors() -> Iterator[None]:
-    """boto3's errors as `_LeaseObject`'s: 412 (and 409, a conditional write that raced
-    another) Conflict, 404 FileNotFoundError, any other OSError."""
-    import botocore.exceptions
-
-    try:
-        yield
-    except botocore.exceptions.ClientError as e:
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status in (409, 412):
-            raise Conflict(str(e)) from e
-        if status == 404:
-            raise FileNotFoundError(str(e)) from e
-        raise OSError(str(e)) from e
-    except botocore.exceptions.BotoCoreError as e:
-        raise OSError(str(e)) from e

@@ -1,0 +1,222 @@
+"""The writer lease's object on object storage: written only on a condition the store
+decides (create if absent, replace or delete if unchanged), through each store's own SDK
+(google-cloud-storage, boto3), as fsspec has no conditional writes. `jaxckpt._lock`'s
+`ObjectLease` is its one user; what else differs between stores is `jaxckpt._storage`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import email.utils
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from jaxckpt._storage import S3Config, bucket_and_key, s3_config
+from jaxckpt.errors import ConfigError
+
+
+class Conflict(Exception):
+    """A conditional write or delete the store refused: the object exists (a create) or
+    changed since the version given."""
+
+
+class _LeaseObject:
+    """One object written only on a condition the store decides (the writer lease,
+    `jaxckpt._lock.ObjectLease`): `create` if absent, `replace`/`delete` if unchanged since
+    `version` (Conflict otherwise). A version is opaque (a GCS generation, an S3 ETag).
+    Any other error of the store is OSError. `clock_resolution_s`: how coarse the store's
+    times are (`current`, `server_now`)."""
+
+    clock_resolution_s = 0.0
+
+    def create(self, data: bytes) -> Any:
+        raise NotImplementedError
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        raise NotImplementedError
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        """The object's version and when it was last written, by the store's clock; None
+        if there is none."""
+        raise NotImplementedError
+
+    def read(self, version: Any = None) -> bytes | None:
+        """The object's bytes if it is still at `version` (None: whatever it is now); None
+        if it changed or is gone."""
+        raise NotImplementedError
+
+    def delete(self, version: Any) -> None:
+        raise NotImplementedError
+
+    def server_now(self) -> datetime.datetime:
+        """The store's clock now (host clocks do not matter)."""
+        raise NotImplementedError
+
+
+def lease_object(url: str) -> _LeaseObject | None:
+    """The object at `url` for a lease, on a store that has conditional writes (gs://,
+    s3://); None on any other."""
+    if url.startswith("gs://"):
+        return _GcsObject(url)
+    if url.startswith("s3://"):
+        return _S3Object(url)
+    return None
+
+
+class _GcsObject(_LeaseObject):
+    """Generation preconditions (`ifGenerationMatch`, 0: absent)."""
+
+    def __init__(self, url: str):
+        self._bucket, self._name = bucket_and_key(url)
+
+    def _blob(self) -> Any:
+        return _gcs_client().bucket(self._bucket).blob(self._name)
+
+    def create(self, data: bytes) -> Any:
+        return self.replace(data, 0)
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        blob = self._blob()
+        with _gcs_errors():
+            blob.upload_from_string(data, "application/json", if_generation_match=version)
+        return blob.generation
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        with _gcs_errors():
+            blob = _gcs_client().bucket(self._bucket).get_blob(self._name)
+        return None if blob is None else (blob.generation, blob.updated)
+
+    def read(self, version: Any = None) -> bytes | None:
+        try:
+            with _gcs_errors():
+                return bytes(self._blob().download_as_bytes(if_generation_match=version))
+        except (Conflict, FileNotFoundError):
+            return None
+
+    def delete(self, version: Any) -> None:
+        with _gcs_errors():
+            self._blob().delete(if_generation_match=version)
+
+    def server_now(self) -> datetime.datetime:
+        probe = _gcs_client().bucket(self._bucket).blob(f"{self._name}.probe-{os.urandom(8).hex()}")
+        with _gcs_errors():
+            probe.upload_from_string(b"")
+            try:
+                return probe.time_created
+            finally:
+                probe.delete()
+
+
+@functools.cache
+def _gcs_client() -> Any:
+    try:
+        from google.cloud import storage
+    except ImportError as e:
+        raise ConfigError(
+            "gs:// directories need google-cloud-storage and gcsfs: pip install 'jaxckpt[gcs]'"
+        ) from e
+    # STORAGE_EMULATOR_HOST (an emulator) is honoured by the client itself.
+    return storage.Client()
+
+
+@contextlib.contextmanager
+def _gcs_errors() -> Iterator[None]:
+    """google-cloud-storage's errors as `_LeaseObject`'s."""
+    from google.api_core import exceptions
+
+    try:
+        yield
+    except exceptions.PreconditionFailed as e:
+        raise Conflict(str(e)) from e
+    except exceptions.NotFound as e:
+        raise FileNotFoundError(str(e)) from e
+    except exceptions.GoogleAPICallError as e:
+        raise OSError(str(e)) from e
+
+
+class _S3Object(_LeaseObject):
+    """S3's conditional writes: `If-None-Match: *` to create, `If-Match: <ETag>` to
+    replace or delete (AWS since 2024; MinIO, Ceph and moto have them too). Its times are
+    HTTP dates, in whole seconds."""
+
+    clock_resolution_s = 1.0
+
+    def __init__(self, url: str):
+        self._bucket, self._key = bucket_and_key(url)
+
+    def create(self, data: bytes) -> Any:
+        with _s3_errors():
+            return self._put(data, IfNoneMatch="*")
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        try:
+            with _s3_errors():
+                return self._put(data, IfMatch=version)
+        except FileNotFoundError as e:  # S3 answers 404, not 412, once it is gone
+            raise Conflict(str(e)) from e
+
+    def _put(self, data: bytes, **condition: str) -> Any:
+        put = _s3_client().put_object
+        return put(Bucket=self._bucket, Key=self._key, Body=data, **condition)["ETag"]
+
+    def current(self) -> tuple[Any, datetime.datetime] | None:
+        try:
+            with _s3_errors():
+                found = _s3_client().head_object(Bucket=self._bucket, Key=self._key)
+        except FileNotFoundError:
+            return None
+        return found["ETag"], found["LastModified"]
+
+    def read(self, version: Any = None) -> bytes | None:
+        condition = {} if version is None else {"IfMatch": version}
+        try:
+            with _s3_errors():
+                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, **condition)
+                return bytes(got["Body"].read())
+        except (Conflict, FileNotFoundError):
+            return None
+
+    def delete(self, version: Any) -> None:
+        with _s3_errors():
+            _s3_client().delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+
+    def server_now(self) -> datetime.datetime:
+        with _s3_errors():
+            found = _s3_client().head_bucket(Bucket=self._bucket)
+        return email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
+
+
+def _s3_client() -> Any:
+    return _s3_client_for(s3_config())
+
+
+@functools.cache
+def _s3_client_for(config: S3Config) -> Any:
+    import boto3
+    import botocore.config
+
+    style = {"addressing_style": config.addressing_style} if config.addressing_style else None
+    settings = botocore.config.Config(s3=style)
+    return boto3.session.Session().client("s3", region_name=config.region, config=settings)
+
+
+@contextlib.contextmanager
+def _s3_errors() -> Iterator[None]:
+    """boto3's errors as `_LeaseObject`'s: 412 (and 409, a conditional write that raced
+    another) Conflict, 404 FileNotFoundError, any other OSError."""
+    import botocore.exceptions
+
+    try:
+        yield
+    except botocore.exceptions.ClientError as e:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status in (409, 412):
+            raise Conflict(str(e)) from e
+        if status == 404:
+            raise FileNotFoundError(str(e)) from e
+        raise OSError(str(e)) from e
+    except botocore.exceptions.BotoCoreError as e:
+        raise OSError(str(e)) from e
