@@ -36,6 +36,7 @@ from jaxckpt.errors import CorruptCheckpointError, RestoreError
 
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
+_LOCAL_CHUNK = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +112,15 @@ def digest(root: epath.Path, rel: str) -> tuple[int, str]:
 
 
 def _chunks(f: Any) -> Iterator[Any]:
-    """An open file's bytes, `_CHUNK` at most at a time. A local file is read into one buffer
-    of its size at most (a new 8 MiB bytes object a read cost twice the CPU: 0.20 against
-    0.12 s for a 1 GiB step, most of a save's hashing); an object as each request returns it."""
+    """An open file's bytes: an object `_CHUNK` at most a request; a local file read into one
+    buffer of _LOCAL_CHUNK at most (a new 8 MiB bytes object a read cost twice the CPU: 0.20
+    against 0.12 s for a 1 GiB step, most of a save's hashing; a buffer the size of a core's
+    cache, hashed while it is there, another 12%: 64 MiB in 12.2 ms, not 13.9)."""
     if not isinstance(f, io.BufferedReader):
         while chunk := f.read(_CHUNK):
             yield chunk
         return
-    buffer = memoryview(bytearray(min(_CHUNK, os.fstat(f.fileno()).st_size) or 1))
+    buffer = memoryview(bytearray(min(_LOCAL_CHUNK, os.fstat(f.fileno()).st_size) or 1))
     while n := f.readinto(buffer):
         yield buffer[:n]
 
