@@ -34,7 +34,7 @@ test: $(STAMP) $(OLD_STAMP) lint docs
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# Side-by-side benchmarks (~75 min on 2 cores): each writes its page under
+# Side-by-side benchmarks (~55 min on 2 cores): each writes its page under
 # benchmarks/results/, then compare.py writes BENCHMARKS.md, one current page, its own
 # tables first and every other page after. bench-quick: the 64 MiB state only (~1 min).
 # On a machine with an accelerator: bash benchmarks/gpu.sh
