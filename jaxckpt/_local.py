@@ -266,7 +266,7 @@ class LocalStore:
             shutil.rmtree(tmp)
         (tmp / _layout.PACKED).mkdir(parents=True)
         (tmp / _layout.META_DIR).mkdir()
-        written = _packed.write(tmp / _layout.PACKED, pieces)
+        hashed = _packed.write(tmp / _layout.PACKED, pieces)
         files = {
             _layout.INFO_PATH: json.dumps(info.to_json()),
             PART_PATH: json.dumps(part.to_json()),
@@ -281,9 +281,7 @@ class LocalStore:
                 files[f"{_layout.DATA}/{name}"] = data_about
         for rel, text in files.items():
             _write_synced(tmp / rel, text.encode())
-        _integrity.write_manifest(
-            tmp, hashed={f"{_layout.PACKED}/{name}": got for name, got in written.items()}
-        )
+        _integrity.write_manifest(tmp, hashed=hashed)
         _peers.fsync_folder(tmp / _layout.META_DIR)
         _peers.fsync_folder(tmp)
 

@@ -94,8 +94,7 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
         pieces = _packed.to_host(args.items, _internals.device_buffers)
 
         async def write() -> None:
-            found = _packed.write(directory, pieces)
-            self.written = {f"{_layout.PACKED}/{name}": got for name, got in found.items()}
+            self.written = _packed.write(directory, pieces)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
 

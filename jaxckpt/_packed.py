@@ -257,11 +257,13 @@ def write(folder: epath.Path, pieces: HostPieces) -> dict[str, tuple[int, str]]:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
     holds at most one leaf beyond what the save copied off the devices. Returns the size
-    and manifest digest of each file (`_integrity.hasher`), made as it was written."""
+    and manifest digest of each file (`_integrity.hasher`), made as it was written, by its
+    path in the step (`packed/<name>`), as the manifest names it."""
     data, index = packed_files(jax.process_index(), jax.process_count())
     digests: list[str] = []
-    written = {data: _write(folder, data, pieces.chunks, digests)}
-    return written | {index: _write(folder, index, [pieces.index_json(digests).encode()], [])}
+    written = {f"{PACKED}/{data}": _write(folder, data, pieces.chunks, digests)}
+    index_json = pieces.index_json(digests).encode()
+    return written | {f"{PACKED}/{index}": _write(folder, index, [index_json], [])}
 
 
 def merge(folder: epath.Path, processes: int) -> None:

@@ -5,7 +5,8 @@ Object stores have no rename (a "rename" copies every object), no advisory locks
 object appears whole or not at all. Modules that must act differently ask `is_remote`.
 Listings and small files go through fsspec (gcsfs, s3fs: epath's backends too); the
 conditional writes of the writer lease, which fsspec lacks, through each store's own SDK
-(`jaxckpt._leases`); tensorstore's kvstore of an s3:// folder is `s3_kvstore`'s. S3 is configured the way every AWS tool is (`s3_config`).
+(`jaxckpt._leases`); tensorstore's kvstore of an s3:// folder is `s3_kvstore`'s. S3 is
+configured the way every AWS tool is (`s3_config`).
 
 Every request to object storage counts at pod scale, where each process makes it: a
 listing here is one request per 1,000 names (a folder's whole tree in one), and a file is
