@@ -24,6 +24,7 @@ import datetime
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxckpt._layout import LOCK_FILE
 from jaxckpt._leases import Conflict, lease_object
@@ -215,11 +216,13 @@ class ObjectLease:
         raw = self._object.read(version)
         if raw is None:
             return False
-        holder = _parse(raw)
-        if holder.get("id") == self._me["id"]:  # our own create, retried by the client
+        holder = Holder.of(raw)
+        if holder.id == self._me["id"]:  # our own create, retried by the client
             self._version, self._renewed = version, time.monotonic()
             return True
-        term = float(holder.get("lease_s", self.lease_s))
+        # A holder that names no term we can trust is given ours (the writers of one
+        # directory share it): waited out, taken over if not renewed meanwhile.
+        term = self.lease_s if holder.lease_s is None else holder.lease_s
         # At least this long (times in whole seconds, as on S3, err by up to one either way).
         idle = (self._object.server_now() - updated).total_seconds()
         idle -= self._object.clock_resolution_s
@@ -289,17 +292,45 @@ def _kind(st: os.stat_result) -> str:
     return file_kind(st.st_mode)
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        who = json.loads(raw)
-        return who if isinstance(who, dict) else {}
-    except ValueError:
-        return {}
+class Holder(NamedTuple):
+    """What a lock's text (as `_me` and `ObjectLease` write it) says of its holder, every
+    field checked here, the one place a lock or a lease is read: a field missing or not
+    what jaxckpt writes is None (the name: "another process"), and so is every field of
+    a text that is not a JSON object. Whatever another process or a damaged object left
+    there, nothing read from it fails a writer's start, makes it take over a renewed
+    lease at once or wait for ever."""
+
+    id: str | None  # the lease's writer (`ObjectLease`): a uuid4 in hex
+    lease_s: float | None  # its term: a finite number of seconds above 0
+    name: str  # "host H pid P (since S)", or "another process"
+
+    @classmethod
+    def of(cls, raw: bytes) -> Holder:
+        try:
+            found = json.loads(raw)
+        except (ValueError, RecursionError):  # (UnicodeDecodeError too; nested too deep)
+            found = None
+        who: dict[str, Any] = found if isinstance(found, dict) else {}
+        host, pid, since = who.get("host"), who.get("pid"), who.get("since")
+        named = _text(host) and isinstance(pid, int) and not isinstance(pid, bool) and _text(since)
+        term: Any = who.get("lease_s")
+        return cls(
+            id=who["id"] if _text(who.get("id")) else None,
+            lease_s=float(term) if _seconds(term) else None,
+            name=f"host {host} pid {pid} (since {since})" if named else "another process",
+        )
+
+
+def _seconds(value: Any) -> bool:
+    """A term: a finite number above 0 (JSON's NaN, Infinity, a bool, text: not one)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+def _text(value: Any) -> bool:
+    """A field jaxckpt writes as a short string (a host name, a time, an id)."""
+    return isinstance(value, str) and 0 < len(value) <= 255
 
 
 def _describe(raw: bytes) -> str:
-    who = _parse(raw)
-    try:
-        return f"host {who['host']} pid {who['pid']} (since {who['since']})"
-    except KeyError:
-        return "another process"
+    return Holder.of(raw).name

@@ -4,6 +4,7 @@ A second writer is refused, a dead one's lock taken over, and a writer that lost
 deletes nothing more; a planted lock file is refused, never written through."""
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -354,3 +355,65 @@ def test_a_writer_that_lost_its_lease_names_its_holder_however_often_it_renews(b
         thief.release()
         holder.kill()
         holder.wait(timeout=30)
+
+
+# A lease's fields as another writer, a damaged object or an old version may have left them:
+# none may fail a writer's start (a raw TypeError from `float(None)`), take a renewed lease
+# over at once (NaN, a term below zero) or wait for ever (Infinity).
+MALFORMED_LEASES = {
+    "term-null": {"lease_s": None},
+    "term-text": {"lease_s": "abc"},
+    "term-list": {"lease_s": [1]},
+    "term-true": {"lease_s": True},
+    "term-nan": {"lease_s": float("nan")},
+    "term-negative": {"lease_s": -1},
+    "term-infinite": {"lease_s": float("inf")},
+    "names-not-text": {"host": ["h"], "pid": "12", "since": {"t": 0}, "id": 7, "lease_s": 0},
+}
+
+
+def _malformed_lease(fields, n=0):
+    """A lease object's bytes: a holder's fields, `fields` over them (`n` makes each write's
+    bytes, so its version, differ)."""
+    holder = {"host": "elsewhere", "pid": 4242, "since": "2020-01-01T00:00:00+00:00"}
+    return json.dumps({**holder, "lease_s": 2.0, "id": "f" * 32, **fields, "writes": n}).encode()
+
+
+@pytest.mark.timeout(120)  # (Infinity waited for ever)
+@pytest.mark.parametrize("fields", MALFORMED_LEASES.values(), ids=MALFORMED_LEASES.keys())
+def test_an_unrenewed_lease_with_a_malformed_field_is_taken_over_after_the_writers_term(
+    bucket_dir, fields, caplog
+):
+    lease = epath.Path(bucket_dir) / ".jaxckpt-writer.lock"
+    lease.write_bytes(_malformed_lease(fields))
+    with (
+        caplog.at_level(logging.WARNING, logger="jaxckpt"),
+        jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=0.5) as m,
+    ):
+        assert json.loads(lease.read_bytes())["pid"] == os.getpid()
+        m.save(1, state={"x": np.zeros(4, np.float32)})
+    assert "took over the writer lease of" in caplog.text
+    assert jaxckpt.CheckpointManager(bucket_dir, read_only=True).all_steps() == [1]
+
+
+@pytest.mark.parametrize("fields", MALFORMED_LEASES.values(), ids=MALFORMED_LEASES.keys())
+def test_a_renewed_lease_with_a_malformed_field_is_refused(bucket_dir, fields):
+    lease = epath.Path(bucket_dir) / ".jaxckpt-writer.lock"
+    lease.write_bytes(_malformed_lease(fields))
+    stop = threading.Event()
+
+    def renew():  # a live holder, however it writes its lease: renewed every 50 ms
+        n = 0
+        while not stop.wait(0.05):
+            n += 1
+            lease.write_bytes(_malformed_lease(fields, n))
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    try:
+        with pytest.raises(errors.LockedError, match=r"is being written by .*, which holds its"):
+            jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=60)
+    finally:
+        stop.set()
+        renewer.join(timeout=60)
+    assert lease.exists()  # the holder's lease, left alone
