@@ -53,7 +53,7 @@ from typing import Any
 from etils import epath
 
 from jaxckpt._storage import entries, is_remote, open_inside
-from jaxckpt._tree import LeafSpec
+from jaxckpt._tree import EmptyNode, LeafSpec, empty_from_json, empty_to_json
 from jaxckpt.errors import (
     CorruptCheckpointError,
     DataStateError,
@@ -134,6 +134,8 @@ class StepInfo:
     versions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # The leaves of each item written to packed/ rather than as Orbax arrays (format 2).
     packed: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    # Each item's nodes without children (`EmptyNode`); None: a step saved before they were.
+    empty: Mapping[str, tuple[EmptyNode, ...]] | None = None
     # Not in jaxckpt.json: set for a step that plain Orbax wrote, whose `state` leaves are
     # those of its pytree item `item` (`data`, "grain": its grain item's states).
     orbax: OrbaxStep | None = None
@@ -163,6 +165,7 @@ class StepInfo:
             "data": self.data,
             "node_types": {RNG: list(self.rng_node_types)},
             "packed": {item: sorted(names) for item, names in self.packed.items()},
+            "empty": empty_to_json(self.empty),
             "meta": self.meta,
         }
 
@@ -233,6 +236,7 @@ class StepInfo:
             process_count=doc.get("process_count"),
             versions=doc.get("versions") or {},
             packed={item: frozenset(names) for item, names in packed.items()},
+            empty=empty_from_json(doc.get("empty"), ITEMS),
         )
 
 

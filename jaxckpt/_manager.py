@@ -263,8 +263,8 @@ class CheckpointManager:
         if meta is not None:
             check_json(meta)
         with gc_paused():
-            state_arrays, state_specs = flatten(state, item="state")
-            rng_arrays, rng_specs = flatten(rng, item="rng")
+            state_arrays, state_specs, state_empty = flatten(state, item="state")
+            rng_arrays, rng_specs, rng_empty = flatten(rng, item="rng")
         data_text, data_kind, data_about = _iterators.snapshot(data)
         local, persistent = self._tiers_due(step)
         if persistent:
@@ -278,6 +278,7 @@ class CheckpointManager:
                 data=data_kind,
                 meta=meta,
                 rng_node_types=tuple(node_types(rng)),
+                empty={_layout.STATE: tuple(state_empty), _layout.RNG: tuple(rng_empty)},
                 saved_at=datetime.datetime.now(datetime.UTC).isoformat(),
                 process_count=jax.process_count(),
                 versions={"jax": jax.__version__},

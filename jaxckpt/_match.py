@@ -5,12 +5,13 @@ became named arrays and leaf specs).
 Missing/extra leaves and shape/dtype differences are found by comparing names and specs,
 and reported by path before a single array byte is read. Restoring with a target
 unflattens with the target's own treedef, so any pytree node type comes back as itself;
-without one, nested dicts and lists are rebuilt from the recorded paths.
+without one, nested dicts and lists are rebuilt from the recorded paths (and empty nodes).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from jax import tree_util
 from jaxckpt._tree import (
     KEY,
     PYTHON,
+    EmptyNode,
     LeafSpec,
     ReadRequest,
     display,
@@ -34,6 +36,8 @@ from jaxckpt.errors import (
     ShardingError,
     TreeMismatchError,
 )
+
+log = logging.getLogger("jaxckpt")
 
 
 def plan_restore(
@@ -143,24 +147,49 @@ def uniform_requests(
     return {s.name: ReadRequest(s.stored_shape, s.stored_dtype, sharding) for s in saved}
 
 
-def nest(saved: Sequence[LeafSpec], arrays: Mapping[str, Any]) -> Any:
-    """Rebuilds nested dicts/lists from the recorded paths (restore without a target)."""
+def nest(
+    saved: Sequence[LeafSpec], arrays: Mapping[str, Any], empty: Sequence[EmptyNode] = ()
+) -> Any:
+    """Rebuilds nested dicts/lists from the recorded paths (restore without a target) as
+    plain Orbax restores its own: sequences and nodes registered without keys as lists,
+    the recorded empty nodes in their places (None for optax's EmptyState, `{}`, `[]`,
+    `()`), so that a sequence keeps its length.
+
+    A leaf or empty node recorded where another one is (a damaged record) is left out,
+    logged."""
     if len(saved) == 1 and not saved[0].path:
         return _decode(arrays[saved[0].name], saved[0], None)
     root: dict = {}
+    inner = {id(root)}  # the dicts made here for inner nodes (not empty nodes' values)
     sequences: set[int] = set()
-    for spec in saved:
+
+    def place(path: Sequence[tuple[str, Any]], value: Any) -> bool:
         node = root
-        for depth, (kind, key) in enumerate(spec.path):
-            if kind == "seq":
+        for depth, (kind, key) in enumerate(path):
+            if kind in ("seq", "index"):  # (index: a node registered without keys)
                 sequences.add(id(node))
-            if depth == len(spec.path) - 1:
-                node[key] = _decode(arrays[spec.name], spec, None)
+            if depth == len(path) - 1:
+                if key in node:
+                    return False
+                node[key] = value
             else:
-                node = node.setdefault(key, {})
+                if key not in node:
+                    node[key] = {}
+                    inner.add(id(node[key]))
+                elif id(node[key]) not in inner:
+                    return False
+                node = node[key]
+        return True
+
+    for spec in saved:
+        if not place(spec.path, _decode(arrays[spec.name], spec, None)):
+            log.warning("leaf %s is recorded where another leaf is: left out", spec.display)
+    for node in empty:
+        if not place(node.path, node.value):
+            log.warning("empty node %s is recorded where a leaf is: left out", display(node.path))
 
     def finish(node: Any) -> Any:
-        if not isinstance(node, dict):
+        if id(node) not in inner:
             return node
         if id(node) in sequences:
             return [finish(node[k]) for k in sorted(node)]

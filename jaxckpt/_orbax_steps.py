@@ -20,7 +20,7 @@ from etils import epath
 
 from jaxckpt import _internals, _layout, _transfer
 from jaxckpt._storage import files_below
-from jaxckpt._tree import ARRAY, KEY, PYTHON, LeafSpec, ReadRequest, leaf_name
+from jaxckpt._tree import ARRAY, KEY, PYTHON, EmptyNode, LeafSpec, ReadRequest, childless, leaf_name
 from jaxckpt.errors import ConfigError, CorruptCheckpointError
 
 log = logging.getLogger("jaxckpt")
@@ -62,6 +62,8 @@ def info(
         # (None in the tree is an empty node: optax's EmptyState is saved as one)
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         specs = [_orbax_spec(path, meta, impls) for path, meta in leaves]
+        nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=childless)[0]
+        empty = tuple(EmptyNode.of(p, node) for p, node in nodes if p and childless(node))
     except Exception as e:
         problem = f"Orbax cannot read the metadata of its item {item!r}: {_transfer.first_line(e)}"
         raise CorruptCheckpointError(step, [problem], str(directory)) from None
@@ -71,6 +73,7 @@ def info(
         data="grain" if found.items_of("grain") else None,
         orbax=found,
         item=item,
+        empty={_layout.STATE: empty},
     )
 
 

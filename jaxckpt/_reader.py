@@ -62,7 +62,7 @@ class Restored:
       step: the step restored.
       state: the state tree: the target's structure and shardings, or nested dicts/lists of
         host NumPy arrays when restored without a target (typed PRNG keys in it as JAX key
-        arrays).
+        arrays; empty nodes as plain Orbax restores them: None for optax's EmptyState).
       rng: the PRNG keys saved with `rng=` (same dtype and impl), or None.
       meta: the JSON `meta=` saved with the step, or None.
       data: the data iterator passed to `restore`, now at the saved position, or None.
@@ -548,7 +548,8 @@ def plan_item(
     """What to read of an item, and how to rebuild its tree from what was read."""
     specs = info.leaves(item)
     if target is None:
-        return uniform_requests(specs, default_sharding), lambda arrays: nest(specs, arrays)
+        empty = (info.empty or {}).get(item, ())
+        return uniform_requests(specs, default_sharding), lambda arrays: nest(specs, arrays, empty)
     return plan_restore(
         target, specs, item=item, step=info.step, partial=partial, home=default_sharding
     )

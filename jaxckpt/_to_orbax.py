@@ -38,8 +38,10 @@ def export_orbax(
       step: the step to export; None for the latest committed one.
       state: a restore target, as for `CheckpointManager.restore`: the tree is written with
         its node types (optax states, NNX State), so a target of those types restores it.
-        None: nested dicts and lists of NumPy arrays, which a target of nested dicts and
-        lists restores (empty nodes such as optax's EmptyState are not in it).
+        None: nested dicts and lists of NumPy arrays, its empty nodes (optax's EmptyState,
+        `{}`, None) written as plain Orbax writes them, so that plain Orbax restores it onto
+        the live state, or without a target as it restores a checkpoint it wrote itself. (A
+        step saved before jaxckpt recorded empty nodes has none: logged.)
       overwrite: replace a non-empty `out_dir`.
       item: of a step plain Orbax wrote, its pytree item (None: its only one).
     """
@@ -58,6 +60,15 @@ def export_orbax(
         )
     with _reader.open(checkpoint_dir) as ckpt:
         restored = ckpt.read(step, state=state, item=item)
+        if state is None and ckpt.info(restored.step, item).empty is None:
+            log.warning(
+                "step %d of %s was saved before jaxckpt recorded a tree's empty nodes "
+                "(optax's EmptyState, {}, None): the export has none, so plain Orbax restores "
+                "it only onto a target without them. To write them, export with a target: "
+                "jaxckpt.export_orbax(..., state=target)",
+                restored.step,
+                checkpoint_dir,
+            )
     new, old = (out.parent / f".{out.name}.jaxckpt-{what}" for what in ("new", "old"))
     for leftover in (new, old):
         if leftover.exists():

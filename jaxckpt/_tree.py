@@ -4,10 +4,11 @@ back onto them).
 A saved tree is flattened with `jax.tree_util` into a flat mapping `{name: array}`, where
 `name` joins the leaf's key path with dots (`params.layers.0.kernel.value`). Next to the
 arrays, each checkpoint records a :class:`LeafSpec` per leaf (path, shape, dtype, kind),
-which keeps Orbax's view of the tree flat and simple. Typed PRNG keys are stored as their
-raw key data plus the impl name, and are wrapped back with the same impl on restore, so
-they round-trip bitwise with any impl. Also here: the checks of what `save` is given (step
-numbers, JSON meta) and the collector paused while it blocks.
+which keeps Orbax's view of the tree flat and simple, and an :class:`EmptyNode` per node
+without children (optax's EmptyState, `{}`, None), which no leaf records. Typed PRNG keys
+are stored as their raw key data plus the impl name, and are wrapped back with the same impl
+on restore, so they round-trip bitwise with any impl. Also here: the checks of what `save` is
+given (step numbers, JSON meta) and the collector paused while it blocks.
 """
 
 from __future__ import annotations
@@ -149,6 +150,107 @@ class LeafSpec:
 
 _ENTRY_KINDS = ("dict", "seq", "attr", "index")
 
+# What an empty node is recorded as: what plain Orbax writes for it (its `empty_values`), so
+# that an export writes the node as Orbax would have. A Mapping (dict, nnx.State) is "dict",
+# a list "list", a tuple "tuple"; None, a NamedTuple (optax's EmptyState and MaskedNode) and
+# any other node without children (a dataclass without fields) are "none".
+EMPTY_KINDS = ("dict", "list", "tuple", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmptyNode:
+    """A node of a saved tree without children (None, `{}`, `[]`, `()`, optax's EmptyState):
+    no leaf records it, so the save records where it was and what kind it was.
+
+    A restore without a target puts it back as plain Orbax's does (`value`), and
+    `export_orbax` writes it, so that plain Orbax's restore onto the live state (whose tree
+    holds it) finds every node of that tree. Recorded in jaxckpt.json's optional "empty"
+    (either format; an older jaxckpt ignores it, and reads such a step as before).
+    """
+
+    path: tuple[tuple[str, Any], ...]  # as LeafSpec.path
+    kind: str  # one of EMPTY_KINDS
+
+    @classmethod
+    def of(cls, path: KeyPath, node: Any) -> EmptyNode:
+        """The record of `node`, a node without children at a `jax.tree_util` key path."""
+        if isinstance(node, list):
+            kind = "list"
+        elif isinstance(node, tuple):  # (a NamedTuple is written as None by Orbax)
+            kind = "none" if hasattr(node, "_fields") else "tuple"
+        elif isinstance(node, Mapping):
+            kind = "dict"
+        else:
+            kind = "none"
+        return cls(path_entries(path), kind)
+
+    @property
+    def value(self) -> Any:
+        """The node as plain Orbax restores it without a target (a new one each time)."""
+        return {"dict": {}, "list": [], "tuple": (), "none": None}[self.kind]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": [list(e) for e in self.path], "kind": self.kind}
+
+    @classmethod
+    def from_json(cls, d: Any) -> EmptyNode:
+        """The record in a step's jaxckpt.json; ValueError if it is not what jaxckpt writes."""
+        if not isinstance(d, dict) or not _is_path(d.get("path")) or not d["path"]:
+            raise ValueError("an empty node's path is not a list of [kind, key] pairs")
+        if d.get("kind") not in EMPTY_KINDS:
+            raise ValueError(
+                f"empty node {_name(d['path'])!r}: kind {short(d.get('kind'))} is not one of "
+                f"{', '.join(EMPTY_KINDS)}"
+            )
+        return cls(tuple(map(tuple, d["path"])), d["kind"])
+
+
+def empty_to_json(empty: Mapping[str, Sequence[EmptyNode]] | None) -> Any:
+    """Each item's empty nodes as a step's jaxckpt.json records them (None: not recorded)."""
+    if empty is None:
+        return None
+    return {item: [node.to_json() for node in nodes] for item, nodes in empty.items()}
+
+
+def empty_from_json(doc: Any, items: Sequence[str]) -> dict[str, tuple[EmptyNode, ...]] | None:
+    """The empty nodes recorded in a step's jaxckpt.json, of `items` (None: not recorded, as
+    in steps saved before they were); ValueError naming the first entry jaxckpt never
+    writes."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or not set(doc) <= set(items):
+        raise ValueError("'empty' is not an object of the items' empty nodes")
+    empty = {}
+    for item, nodes in doc.items():
+        if not isinstance(nodes, list):
+            raise ValueError(f"'empty.{item}' is not a list of empty nodes")
+        try:
+            empty[item] = tuple(EmptyNode.from_json(node) for node in nodes)
+        except ValueError as e:
+            raise ValueError(f"'empty.{item}': {e}") from None
+    return empty
+
+
+def childless(node: Any) -> bool:
+    """Whether `node` is a pytree node without children (None, `{}`, optax's EmptyState),
+    as Orbax's `is_empty_or_leaf` finds them. Fast for arrays: a save asks of every node."""
+    kind = type(node)
+    if kind is dict or kind is list or kind is tuple:
+        return not node
+    if node is None:
+        return True
+    leaf = _LEAF_TYPES.get(kind)
+    if leaf is None:
+        leaf = _LEAF_TYPES[kind] = issubclass(kind, _LEAVES)
+    if leaf:
+        return False
+    # Any other node flattened one level: its children are leaves here, whatever they are.
+    return not tree_util.tree_leaves(node, is_leaf=lambda child: child is not node)
+
+
+_LEAVES = (np.ndarray, np.generic, jax.Array, bool, int, float, str)
+_LEAF_TYPES: dict[type, bool] = {}  # each type `childless` met: whether it is one of _LEAVES
+
 
 def is_count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
@@ -254,15 +356,22 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
-    """Flattens `tree` into `{name: array}` ready to write, plus the specs to record.
+def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec], list[EmptyNode]]:
+    """Flattens `tree` into `{name: array}` ready to write, plus the specs to record and
+    its nodes without children (the tree itself, when it is one, is not recorded: a save
+    without `rng=` has none).
 
     NumPy leaves are copied, so the caller may mutate its arrays as soon as `save` returns.
     """
     arrays: dict[str, Any] = {}
     specs: list[LeafSpec] = []
+    empty: list[EmptyNode] = []
     seen: dict[str, KeyPath] = {}  # the key path of each name
-    for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
+    for path, leaf in tree_util.tree_flatten_with_path(tree, is_leaf=childless)[0]:
+        if childless(leaf):
+            if path:
+                empty.append(EmptyNode.of(path, leaf))
+            continue
         entries = path_entries(path)
         name = _name(entries)
         if name in seen:
@@ -274,7 +383,7 @@ def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec]]:
         seen[name] = path
         arrays[name], spec = _encode(leaf, name, entries, item)
         specs.append(spec)
-    return arrays, specs
+    return arrays, specs, empty
 
 
 def _encode(
