@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt._storage import S3Config, bucket_and_key, s3_config
+from jaxckpt._store_errors import botocore_settings, gcs_call_settings, give_up_s
 from jaxckpt.errors import ConfigError
 
 
@@ -67,7 +68,9 @@ def lease_object(url: str) -> _LeaseObject | None:
 
 
 class _GcsObject(_LeaseObject):
-    """Generation preconditions (`ifGenerationMatch`, 0: absent)."""
+    """Generation preconditions (`ifGenerationMatch`, 0: absent). Each call is retried
+    for the give-up time at most (`_store_errors.gcs_call_settings`), not the client's
+    two minutes."""
 
     def __init__(self, url: str):
         self._bucket, self._name = bucket_and_key(url)
@@ -81,33 +84,37 @@ class _GcsObject(_LeaseObject):
     def replace(self, data: bytes, version: Any) -> Any:
         blob = self._blob()
         with _gcs_errors():
-            blob.upload_from_string(data, "application/json", if_generation_match=version)
+            blob.upload_from_string(
+                data, "application/json", if_generation_match=version, **gcs_call_settings()
+            )
         return blob.generation
 
     def current(self) -> tuple[Any, datetime.datetime] | None:
         with _gcs_errors():
-            blob = _gcs_client().bucket(self._bucket).get_blob(self._name)
+            blob = _gcs_client().bucket(self._bucket).get_blob(self._name, **gcs_call_settings())
         return None if blob is None else (blob.generation, blob.updated)
 
     def read(self, version: Any = None) -> bytes | None:
         try:
             with _gcs_errors():
-                return bytes(self._blob().download_as_bytes(if_generation_match=version))
+                blob = self._blob()
+                got = blob.download_as_bytes(if_generation_match=version, **gcs_call_settings())
+                return bytes(got)
         except (Conflict, FileNotFoundError):
             return None
 
     def delete(self, version: Any) -> None:
         with _gcs_errors():
-            self._blob().delete(if_generation_match=version)
+            self._blob().delete(if_generation_match=version, **gcs_call_settings())
 
     def server_now(self) -> datetime.datetime:
         probe = _gcs_client().bucket(self._bucket).blob(f"{self._name}.probe-{os.urandom(8).hex()}")
         with _gcs_errors():
-            probe.upload_from_string(b"")
+            probe.upload_from_string(b"", **gcs_call_settings())
             try:
                 return probe.time_created
             finally:
-                probe.delete()
+                probe.delete(**gcs_call_settings())
 
 
 @functools.cache
@@ -190,16 +197,17 @@ class _S3Object(_LeaseObject):
 
 
 def _s3_client() -> Any:
-    return _s3_client_for(s3_config())
+    return _s3_client_for(s3_config(), give_up_s())
 
 
 @functools.cache
-def _s3_client_for(config: S3Config) -> Any:
+def _s3_client_for(config: S3Config, give_up_s: float) -> Any:
+    """A client of `config`'s endpoint that gives up in `give_up_s` (`_store_errors`)."""
     import boto3
     import botocore.config
 
     style = {"addressing_style": config.addressing_style} if config.addressing_style else None
-    settings = botocore.config.Config(s3=style)
+    settings = botocore.config.Config(s3=style, **botocore_settings(give_up_s))
     return boto3.session.Session().client("s3", region_name=config.region, config=settings)
 
 

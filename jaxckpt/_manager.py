@@ -34,6 +34,7 @@ from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
 from jaxckpt._reader import Checkpoint, Restored, Wanted
 from jaxckpt._storage import absolute
+from jaxckpt._store_errors import naming_the_store
 from jaxckpt._tiers import Tiers
 from jaxckpt._tree import (
     check_json,
@@ -94,6 +95,7 @@ class CheckpointManager:
     same arguments; each process writes only the shards it holds.
     """
 
+    @naming_the_store  # its failures as StorageError: down, refusing us, no such bucket
     def __init__(
         self,
         directory: str | epath.PathLike,

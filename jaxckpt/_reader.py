@@ -39,6 +39,7 @@ from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps, _spre
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
 from jaxckpt._spread import refusing
+from jaxckpt._store_errors import naming_the_store
 from jaxckpt._tree import ReadRequest, check_step, gc_paused
 from jaxckpt.errors import (
     CorruptCheckpointError,
@@ -117,6 +118,7 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+@naming_the_store  # its failures as StorageError: down, refusing us, no such bucket
 def open(
     directory: str | os.PathLike[str],
     *,

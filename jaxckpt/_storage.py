@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from jaxckpt._store_errors import configure
 from jaxckpt.errors import ConfigError
 
 try:
@@ -50,7 +51,8 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 def absolute(path: Any) -> Any:
     """A local path made absolute, once, where a directory enters jaxckpt; URLs unchanged
-    (an s3:// one configures s3fs first: `s3_config`).
+    (an s3:// one configures s3fs first: `s3_config`; each store's clients are set to give
+    up on it in time: `_store_errors.configure`).
 
     Orbax and tensorstore take only absolute paths, and refused a relative one late: at the
     background write of the first save (raised by the next save or close), or as a raw
@@ -59,6 +61,7 @@ def absolute(path: Any) -> Any:
     if is_remote(path):
         if str(path).startswith("s3://"):
             s3_config()
+        configure(path)
         return path
     return os.path.abspath(os.fspath(path))
 
@@ -313,6 +316,7 @@ def _filesystem(url: Any) -> tuple[Any, str]:
     protocol, _, key = str(url).partition("://")
     if protocol == "s3":
         s3_config()
+    configure(url)
     return fsspec.filesystem(protocol), key
 
 
@@ -381,8 +385,8 @@ def _s3_config(variables: tuple[str | None, ...]) -> S3Config:  # (`variables`: 
     # AWS_REGION is the SDKs' standard variable; botocore reads only AWS_DEFAULT_REGION.
     region = os.environ.get("AWS_REGION") or session.region_name
     options = fsspec.config.conf["s3"]  # (an explicit setting is kept)
-    if style is not None:
-        options.setdefault("config_kwargs", {"s3": {"addressing_style": style}})
+    if style is not None:  # (config_kwargs also holds the give-up time's settings)
+        options.setdefault("config_kwargs", {}).setdefault("s3", {"addressing_style": style})
     if region is not None:
         options.setdefault("client_kwargs", {"region_name": region})
     return S3Config(url if custom else None, region, style)

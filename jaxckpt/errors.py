@@ -83,6 +83,13 @@ class RestoreError(JaxckptError, RuntimeError):
     first (an I/O error, a storage error); the message carries Orbax's first line."""
 
 
+class StorageError(JaxckptError, OSError):
+    """Object storage (gs://, s3://) could not be reached or did not answer in time (the
+    give-up time, `JAXCKPT_STORAGE_TIMEOUT_S`), refused the credentials or the access, has
+    no such bucket, or failed. The message names the store and its endpoint, says what to
+    check, and quotes the store's own error (also its `__cause__`)."""
+
+
 class LockedError(JaxckptError, BlockingIOError):
     """Another live process holds the directory for writing."""
 

@@ -6,6 +6,7 @@ tombstone, written by one leaseholder, read with requests that do not grow with 
 processes of a job, and exported and imported in place.
 """
 
+import http.server
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from multihost import run_job
 import jaxckpt
 from conftest import run_python
 from jaxckpt import _storage, cli
-from reliability import faults, launch
+from reliability import faults, gcs, launch, s3
 from reliability.faults import REMOTE_CORRUPTIONS
 from reliability.stress import Tally, kill_trial
 
@@ -449,3 +450,127 @@ def test_a_restore_from_object_storage_reads_no_others_array_metadata_and_stats_
     # it may still read (one file, whatever the process count).
     assert [r for r in made if r[1].endswith("/array_metadatas/")] == []
     assert [r for r in made if r[0] == "metadata" and "/packed/" in r[1]] == []
+
+
+# --- a store that is down, refuses us, or has no such bucket: a named error ----------------
+
+
+def _pointed_at(bucket, url):
+    """The environment that sends `bucket`'s store's clients to the endpoint `url`."""
+    return (s3 if bucket.url.startswith("s3://") else gcs).point_at(url)
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """Answers every request 403, in each store's own words, as S3 and GCS answer
+    credentials that have no access to a bucket."""
+
+    def _refuse(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith(("/storage/", "/upload/", "/download/")):
+            error = {
+                "code": 403,
+                "message": "ci@test.iam.gserviceaccount.com does not have "
+                "storage.objects.list access to the Google Cloud Storage bucket.",
+            }
+            body, kind = json.dumps({"error": {**error, "errors": [error]}}).encode(), "json"
+        else:
+            body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            kind = "xml"
+        self.send_response(403)
+        self.send_header("Content-Type", f"application/{kind}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def refusing_endpoint():
+    """An endpoint on 127.0.0.1 that answers every request 403 (access denied)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect"])
+def test_a_store_that_is_down_is_one_line_naming_it_on_the_command_line(bucket, command):
+    down = f"http://127.0.0.1:{launch.free_port()}"  # bound, then closed: nothing listens
+    url = f"{bucket.url}/run"
+    env = _pointed_at(bucket, down)
+    proc = run_python("-m", "jaxckpt", command, url, timeout=120, check=False, env=env)
+    assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.splitlines()  # one line: no traceback, no logged retries
+    assert line.startswith(f"jaxckpt: error: {url}: the store at {down} could not be reached ("), (
+        line
+    )
+    assert "JAXCKPT_STORAGE_TIMEOUT_S" in line and "Check the endpoint" in line, line
+
+    args = [command, url, "--json", "--storage-timeout", "4"]
+    proc = run_python("-m", "jaxckpt", *args, timeout=120, check=False, env=env)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 1 and doc["type"] == "StorageError", proc
+    assert "gives up on a store within 4 s" in doc["error"], doc
+
+
+def test_a_store_that_is_down_is_a_named_error_at_every_entry_point(bucket):
+    down = f"http://127.0.0.1:{launch.free_port()}"
+    url = f"{bucket.url}/run"
+    proc = run_python(
+        "-m", "children.store_errors", url, timeout=300, env=_pointed_at(bucket, down)
+    )
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == 4, proc.stdout
+    for r in results:
+        assert r["type"] == "StorageError", r
+        assert r["message"].startswith(f"{url}: the store at {down} could not be reached ("), r
+        # Three attempts, a second or two apart: gcsfs's own six took 35 s.
+        assert r["seconds"] < 20, r
+
+
+def test_a_store_that_refuses_access_is_a_named_error(bucket, refusing_endpoint):
+    url = f"{bucket.url}/run"
+    env = _pointed_at(bucket, refusing_endpoint)
+    proc = run_python("-m", "children.store_errors", url, timeout=300, env=env)
+    for r in map(json.loads, proc.stdout.splitlines()):
+        assert r["type"] == "StorageError", r
+        assert r["message"].startswith(f"{url}: the store at {refusing_endpoint} refused access"), r
+        assert "Check the credentials" in r["message"], r
+    proc = run_python("-m", "jaxckpt", "ls", url, timeout=120, check=False, env=env)
+    (line,) = proc.stderr.splitlines()
+    assert proc.returncode == 1 and "refused access" in line, line
+
+
+def test_a_bucket_that_does_not_exist_is_a_named_error(bucket):
+    scheme = bucket.url.partition("://")[0]
+    url = f"{scheme}://no-such-bucket-jaxckpt/run"
+    for call in (
+        lambda: jaxckpt.CheckpointManager(url),
+        lambda: jaxckpt.CheckpointManager(url, read_only=True),
+        lambda: jaxckpt.open(url),
+        lambda: jaxckpt.verify(url),
+    ):
+        with pytest.raises(jaxckpt.errors.StorageError, match="has no bucket no-such-bucket-jax"):
+            call()
+    result = CliRunner().invoke(cli.main, ["ls", url])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"jaxckpt: error: {url}: the store at "), result.stderr
+    assert "has no bucket no-such-bucket-jaxckpt" in result.stderr
+    with pytest.raises(jaxckpt.errors.NoCheckpointError):  # a bucket there: not this error
+        jaxckpt.CheckpointManager(f"{bucket.url}/nothing-here", read_only=True)
+
+
+def test_a_give_up_time_that_is_not_a_number_of_seconds_is_refused(bucket_dir, monkeypatch):
+    for value in ("abc", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("JAXCKPT_STORAGE_TIMEOUT_S", value)
+        with pytest.raises(jaxckpt.errors.ConfigError, match="not a number of seconds above 0"):
+            jaxckpt.CheckpointManager(bucket_dir, read_only=True)
+    result = CliRunner().invoke(cli.main, ["ls", bucket_dir, "--storage-timeout", "0"])
+    assert result.exit_code == 2 and "--storage-timeout" in result.output, result.output

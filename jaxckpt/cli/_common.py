@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from jaxckpt import _store_errors
 from jaxckpt._escape import Formatter, escape, escape_markup
 from jaxckpt._storage import files_below, is_remote
 from jaxckpt.errors import ConfigError, JaxckptError, NoCheckpointError
@@ -54,8 +55,9 @@ CLI_WORDS = (
 
 
 class _Group(click.Group):
-    """One-line errors: jaxckpt's, missing files, and click's usage errors; with --json,
-    one JSON object on stdout instead. Never a traceback."""
+    """One-line errors: jaxckpt's, missing files, a store's failures (named, as the
+    library names them: `StorageError`), and click's usage errors; with --json, one JSON
+    object on stdout instead. Never a traceback."""
 
     def main(self, args=None, prog_name=None, **kwargs):
         # Run as a program (no args given), the CLI owns the process's logging; called
@@ -79,11 +81,16 @@ class _Group(click.Group):
         except click.exceptions.Abort:
             say("jaxckpt: aborted", err=True)
             code = 130
-        except (JaxckptError, OSError) as e:
-            message = str(e)
+        except Exception as e:
+            # A store's failure met past the library's entrances (a listing, a read): named
+            # as they name it, after the command's first gs:// or s3:// argument.
+            error = _store_errors.storage_error(next(filter(is_remote, args), None), e) or e
+            if not isinstance(error, JaxckptError | OSError):
+                raise
+            message = str(error)
             for python, cli in CLI_WORDS:
                 message = message.replace(python, cli)
-            code = fail(message, e, trouble, as_json)
+            code = fail(message, error, trouble, as_json)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -120,8 +127,26 @@ QUIET_OPTION = click.option(
 )
 
 
+def set_storage_timeout(_ctx: click.Context, _param, seconds: float | None) -> None:
+    if seconds is not None:  # read by the library where it makes a store's clients
+        os.environ[_store_errors.VARIABLE] = repr(seconds)
+
+
+# Before the command or after it, as -q.
+STORAGE_TIMEOUT_OPTION = click.option(
+    "--storage-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    expose_value=False,
+    callback=set_storage_timeout,
+    help=f"Give up on a gs:// or s3:// store that does not answer after SECONDS "
+    f"(default: ${_store_errors.VARIABLE}, else {_store_errors.DEFAULT_S:g}).",
+)
+
+
 @click.group(cls=_Group)
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """Inspect, compare, verify, plan and export jaxckpt checkpoints."""
@@ -136,6 +161,8 @@ def main(ctx: click.Context) -> None:
         force=obj.get("own_logging", False),
     )
     logging.getLogger("absl").setLevel(logging.ERROR)
+    # gcsfs logs each request it gives up on with a traceback: the error says it, once.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 # ------------------------------------------------------------------------------------ helpers

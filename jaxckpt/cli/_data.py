@@ -13,6 +13,7 @@ from jaxckpt.cli._common import (
     JSON_OPTION,
     MAX_PLAN_DEVICES,
     QUIET_OPTION,
+    STORAGE_TIMEOUT_OPTION,
     axis_names,
     main,
     need_dir,
@@ -27,6 +28,7 @@ from jaxckpt.cli._common import (
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @click.argument("first", metavar="DIR|DIR_A")
 @click.argument("second", metavar="STEP_A|DIR_B")
 @click.argument("third", metavar="[STEP_B]", required=False)
@@ -115,6 +117,7 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.option("--mesh", required=True, help="Target mesh shape, e.g. 2x4.")
 @click.option("--axes", help="Its axis names, e.g. data,model (default: the saved mesh's).")
@@ -197,6 +200,7 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.argument("out_dir", metavar="OUT")
 @click.option("--step", type=int, help="Step to export (default: the latest committed).")

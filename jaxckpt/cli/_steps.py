@@ -12,6 +12,7 @@ from jaxckpt.cli._common import (
     ITEM_OPTION,
     JSON_OPTION,
     QUIET_OPTION,
+    STORAGE_TIMEOUT_OPTION,
     disk_usage,
     main,
     need_dir,
@@ -29,6 +30,7 @@ from jaxckpt.errors import CorruptCheckpointError
 
 @main.command("ls")
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.option("--verify", "check", is_flag=True, help="Verify each step's checksums too.")
 @JSON_OPTION
@@ -126,6 +128,7 @@ def _status_row(step: int, status: str) -> dict:
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.option("--step", type=int, help="Step to inspect (default: the latest committed).")
 @ITEM_OPTION
@@ -197,6 +200,7 @@ def inspect(checkpoint_dir, step, item, patterns, show_data, as_json):
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.option("--step", type=int, help="Verify only this step.")
 @JSON_OPTION
@@ -257,6 +261,7 @@ def verify(checkpoint_dir, step, as_json) -> None:
 
 @main.command()
 @QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
 @DIR
 @click.argument("step", type=click.IntRange(min=0))
 @click.option(
