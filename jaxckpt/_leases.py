@@ -44,9 +44,10 @@ class _LeaseObject:
         if there is none."""
         raise NotImplementedError
 
-    def read(self, version: Any = None) -> bytes | None:
+    def fetch(self, version: Any = None) -> bytes | None:
         """The object's bytes if it is still at `version` (None: whatever it is now); None
-        if it changed or is gone."""
+        if it changed or is gone. At most MAX_LEASE_BYTES + 1 of them are asked for: a
+        longer object is no lease jaxckpt wrote, and reads as the garbage it is."""
         raise NotImplementedError
 
     def delete(self, version: Any) -> None:
@@ -55,6 +56,13 @@ class _LeaseObject:
     def server_now(self) -> datetime.datetime:
         """The store's clock now (host clocks do not matter)."""
         raise NotImplementedError
+
+
+MAX_LEASE_BYTES = 2**16  # a lease is ~150 bytes of JSON
+
+
+class _NoRange(OSError):
+    """A range the store refused: of an empty object."""
 
 
 def lease_object(url: str) -> _LeaseObject | None:
@@ -94,12 +102,16 @@ class _GcsObject(_LeaseObject):
             blob = _gcs_client().bucket(self._bucket).get_blob(self._name, **gcs_call_settings())
         return None if blob is None else (blob.generation, blob.updated)
 
-    def read(self, version: Any = None) -> bytes | None:
+    def fetch(self, version: Any = None) -> bytes | None:
         try:
             with _gcs_errors():
                 blob = self._blob()
-                got = blob.download_as_bytes(if_generation_match=version, **gcs_call_settings())
+                got = blob.download_as_bytes(
+                    start=0, end=MAX_LEASE_BYTES, if_generation_match=version, **gcs_call_settings()
+                )
                 return bytes(got)
+        except _NoRange:  # an empty object: a range of it is refused
+            return b""
         except (Conflict, FileNotFoundError):
             return None
 
@@ -140,6 +152,8 @@ def _gcs_errors() -> Iterator[None]:
         raise Conflict(str(e)) from e
     except exceptions.NotFound as e:
         raise FileNotFoundError(str(e)) from e
+    except exceptions.RequestRangeNotSatisfiable as e:
+        raise _NoRange(str(e)) from e
     except exceptions.GoogleAPICallError as e:
         raise OSError(str(e)) from e
 
@@ -177,12 +191,17 @@ class _S3Object(_LeaseObject):
             return None
         return found["ETag"], found["LastModified"]
 
-    def read(self, version: Any = None) -> bytes | None:
+    def fetch(self, version: Any = None) -> bytes | None:
         condition = {} if version is None else {"IfMatch": version}
+        at_most = f"bytes=0-{MAX_LEASE_BYTES}"
         try:
             with _s3_errors():
-                got = _s3_client().get_object(Bucket=self._bucket, Key=self._key, **condition)
-                return bytes(got["Body"].read())
+                got = _s3_client().get_object(
+                    Bucket=self._bucket, Key=self._key, Range=at_most, **condition
+                )
+                return bytes(got["Body"].read(MAX_LEASE_BYTES + 1))
+        except _NoRange:  # an empty object: a range of it is refused
+            return b""
         except (Conflict, FileNotFoundError):
             return None
 
@@ -225,6 +244,8 @@ def _s3_errors() -> Iterator[None]:
             raise Conflict(str(e)) from e
         if status == 404:
             raise FileNotFoundError(str(e)) from e
+        if status == 416:
+            raise _NoRange(str(e)) from e
         raise OSError(str(e)) from e
     except botocore.exceptions.BotoCoreError as e:
         raise OSError(str(e)) from e

@@ -186,7 +186,7 @@ class ObjectLease:
             if current is not None and current[0] == self._version:
                 return
             # Whoever holds it now (it may be renewed again meanwhile: no condition here).
-            raw = None if current is None else self._object.read()
+            raw = None if current is None else self._object.fetch()
             self._lost = "nobody" if raw is None else _describe(raw)
 
     def _write(self, version: Any) -> None:
@@ -213,7 +213,7 @@ class ObjectLease:
         if current is None:
             return False
         version, updated = current
-        raw = self._object.read(version)
+        raw = self._object.fetch(version)
         if raw is None:
             return False
         holder = Holder.of(raw)

@@ -417,3 +417,24 @@ def test_a_renewed_lease_with_a_malformed_field_is_refused(bucket_dir, fields):
         stop.set()
         renewer.join(timeout=60)
     assert lease.exists()  # the holder's lease, left alone
+
+
+def test_a_swollen_lease_is_read_no_further_than_a_lease_can_be(bucket_dir, caplog):
+    """A lease object of 8 MiB (no lease jaxckpt writes is over a few hundred bytes) is
+    fetched as its first 64 KiB only, which is garbage: taken over after the writer's term,
+    as a lease that is not JSON is. An empty one reads as empty, not as a refused range."""
+    from jaxckpt import _leases
+
+    lease = epath.Path(bucket_dir) / ".jaxckpt-writer.lock"
+    lease.write_bytes(b"[" * (8 * 2**20))
+    got = _leases.lease_object(str(lease)).fetch()
+    assert got is not None and len(got) == _leases.MAX_LEASE_BYTES + 1
+    with (
+        caplog.at_level(logging.WARNING, logger="jaxckpt"),
+        jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=0.5) as m,
+    ):
+        assert json.loads(lease.read_bytes())["pid"] == os.getpid()
+        m.save(1, state={"x": np.zeros(4, np.float32)})
+    assert "took over the writer lease of" in caplog.text
+    lease.write_bytes(b"")
+    assert _leases.lease_object(str(lease)).fetch() == b""
