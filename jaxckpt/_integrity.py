@@ -31,7 +31,7 @@ import xxhash
 from etils import epath
 
 from jaxckpt import _layout
-from jaxckpt._storage import files_below, is_remote, open_inside
+from jaxckpt._storage import files_below, is_remote, open_inside, read_small, sizes_below
 from jaxckpt.errors import CorruptCheckpointError, RestoreError
 
 HASH = "xxh3_128"
@@ -101,10 +101,14 @@ def hasher() -> Any:
     return xxhash.xxh3_128()
 
 
-def digest(root: epath.Path, rel: str) -> tuple[int, str]:
-    """The size and XXH3-128 hex digest of the file `root/rel` (opened without links)."""
+def digest(root: epath.Path, rel: str, expected: int | None = None) -> tuple[int, str]:
+    """The size and XXH3-128 hex digest of the file `root/rel` (opened without links); of
+    a file not `expected` bytes long, its size and no digest (none of it is read)."""
     h, size = hasher(), 0
     with open_inside(root, rel) as f:
+        local = isinstance(f, io.BufferedReader)
+        if local and expected is not None and (found := os.fstat(f.fileno()).st_size) != expected:
+            return found, ""
         for chunk in _chunks(f):
             h.update(chunk)  # releases the GIL: hashing does not stall the training thread
             size += len(chunk)
@@ -235,7 +239,14 @@ def verify_step(
     except (OSError, ValueError) as e:
         return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is unreadable: {e}",))
     problems, total = [], 0
-    files, odd = _listing(step_dir)
+    # on object storage each object's size, from the listing: one of another size is not
+    # read to be hashed (a local file's is learnt as it is opened: `digest`)
+    listed_sizes = sizes_below(step_dir) if is_remote(step_dir) else {}
+    files, odd = (
+        ([f for f in sorted(listed_sizes) if _hashed(f)], [])
+        if listed_sizes
+        else _listing(step_dir)
+    )
     present = set(files)
     hashed = {r: e for r, e in listed.items() if not (unread and r in read_checked)}
     mine = sorted(hashed.items())[share[0] :: share[1]]
@@ -245,8 +256,11 @@ def verify_step(
         rel, expected = item
         if rel not in present:
             return 0, f"{rel}: missing"
+        if listed_sizes.get(rel, expected["size"]) != expected["size"]:
+            size = listed_sizes[rel]
+            return size, f"{rel}: {size} bytes, {expected['size']} expected (truncated or grown)"
         try:
-            size, found = digest(step_dir, rel)
+            size, found = digest(step_dir, rel, expected["size"])
         except OSError as e:
             return 0, f"{rel}: unreadable ({e.strerror or e})"
         if size != expected["size"]:
@@ -274,8 +288,7 @@ def verify_step(
 def _manifest(step_dir: epath.Path) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
     """The manifest's `files`, each entry checked (ValueError naming the first bad field),
     and those of them a read checks itself (`read_checked`)."""
-    with open_inside(step_dir, _layout.MANIFEST_PATH) as f:
-        text = f.read()
+    text = read_small(step_dir, _layout.MANIFEST_PATH)
     try:
         doc = json.loads(text)
     except RecursionError:

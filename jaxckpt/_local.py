@@ -44,7 +44,7 @@ import jax
 
 from jaxckpt import _integrity, _internals, _layout, _packed, _peers, _transfer
 from jaxckpt._peers import discard as _discard
-from jaxckpt._storage import absolute, is_remote, open_inside
+from jaxckpt._storage import absolute, is_remote, read_small
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ConfigError
 
@@ -349,8 +349,7 @@ class LocalStore:
         report = _integrity.verify_step(folder, step)
         if report.problems:
             raise _peers.PeerError(f"the copy does not match its manifest: {report.problems}")
-        with open_inside(folder, PART_PATH) as f:
-            part = Part.from_json(json.loads(f.read()))
+        part = Part.from_json(json.loads(read_small(folder, PART_PATH)))
         if part.process != owner:
             raise _peers.PeerError(f"the copy is process {part.process}'s, not {owner}'s")
 
@@ -367,9 +366,8 @@ class LocalStore:
             report = _integrity.verify_step(tmp, step)
             if report.problems:
                 raise _peers.PeerError(f"it does not match its manifest: {report.problems}")
-            with open_inside(tmp, PART_PATH) as f:
-                if Part.from_json(json.loads(f.read())) != Part.here():
-                    raise _peers.PeerError("it is not this process's part, on these devices")
+            if Part.from_json(json.loads(read_small(tmp, PART_PATH))) != Part.here():
+                raise _peers.PeerError("it is not this process's part, on these devices")
             folder = self.step_dir(step)
             if folder.exists():
                 self.delete(step)
@@ -415,8 +413,7 @@ class LocalStore:
         if not folder.is_dir() or folder.is_symlink():
             return f"no local step {step} in {self.directory}"
         try:
-            with open_inside(folder, PART_PATH) as f:
-                part = Part.from_json(json.loads(f.read()))
+            part = Part.from_json(json.loads(read_small(folder, PART_PATH)))
         except FileNotFoundError:
             return f"{folder}: {PART_PATH} is missing"
         except (OSError, ValueError, RecursionError) as e:

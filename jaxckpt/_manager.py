@@ -26,7 +26,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _internals, _iterators, _layout, _local, _orbax
+from jaxckpt import _internals, _iterators, _layout, _listing, _local, _orbax
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
@@ -143,7 +143,7 @@ class CheckpointManager:
         self._read_only = read_only
         self._verify = verify_on_restore
         self._lock = None
-        if not read_only and _layout.is_bare(epath.Path(directory)):  # before any lock file
+        if not read_only and _listing.is_bare(epath.Path(directory)):  # before any lock file
             raise ConfigError(
                 f"{directory} is itself one plain Orbax checkpoint, not a directory of steps: "
                 "open it with read_only=True, and save into another directory"

@@ -25,14 +25,16 @@ from jaxckpt import (
     _integrity,
     _internals,
     _layout,
+    _listing,
     _orbax_items,
     _orbax_steps,
     _packed,
+    _sizes,
     _transfer,
 )
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
-from jaxckpt._storage import absolute, is_remote, open_inside
+from jaxckpt._storage import absolute, is_remote, open_inside, small_file_limit
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -47,7 +49,7 @@ class _UnlistedSteps:
     """Orbax's own step names (`<step>`), with a listing that finds no step: Orbax's manager
     lists a directory through `find_all` (at start-up and each `reload`), reading every step's
     `_CHECKPOINT_METADATA`, so that one unreadable file stopped the whole directory and
-    10,000 steps took seconds; jaxckpt lists it itself (`_layout.Listing`). Orbax's manager
+    10,000 steps took seconds; jaxckpt lists it itself (`_listing.Listing`). Orbax's manager
     then tracks only the steps it saved since its last `reload`."""
 
     def __init__(self) -> None:
@@ -82,6 +84,7 @@ class OrbaxStore:
         commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
         packed (format 2); False writes each as an Orbax array of its own."""
         self.directory = epath.Path(absolute(directory))
+        small_file_limit()  # a bad JAXCKPT_MAX_METADATA_BYTES named here, not by a read
         self._lock = lock
         self._saving: int | None = None
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
@@ -90,6 +93,7 @@ class OrbaxStore:
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
         # be saved again.
         self._packed: dict[tuple[epath.Path, str | None], _packed.PackedStep] = {}
+        self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
@@ -169,10 +173,10 @@ class OrbaxStore:
                 else:
                     self._deleter.submit(self.remove, self.directory / name)
 
-    def scan(self, *, newest: bool = False) -> _layout.Listing:
+    def scan(self, *, newest: bool = False) -> _listing.Listing:
         """The directory as it is now (another process may have written or deleted);
-        `newest`: only down to the newest committed step (`_layout.Listing.of`)."""
-        listing = _layout.Listing.of(self.directory, newest=newest, known=self._orbax_steps)
+        `newest`: only down to the newest committed step (`_listing.Listing.of`)."""
+        listing = _listing.Listing.of(self.directory, newest=newest, known=self._orbax_steps)
         self._orbax_steps = dict(listing.orbax)
         self._prefixed = listing.prefixed
         return listing
@@ -216,7 +220,8 @@ class OrbaxStore:
         Orbax step's pytree item `item` (None: its only one)."""
         found = self._orbax_steps.get(step)
         if found is not None:
-            if problems := _integrity.unsafe_entries(found.path):  # before Orbax opens any
+            # before Orbax opens any: no link, no file it would read whole swollen
+            if problems := _integrity.unsafe_entries(found.path) or _sizes.oversized(found.path):
                 raise CorruptCheckpointError(step, problems, str(self.directory))
             return _orbax_steps.info(self.directory, step, found, item, self._item_tree)
         if item not in (None, _layout.STATE):
@@ -372,6 +377,8 @@ class OrbaxStore:
         # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
         # thousands of leaves under it took 2.5x longer.)
         batches = read_batches(to_read, self._restore_inflight_bytes)
+        if info.orbax is None and to_read:
+            self._check_sizes(info, item)
         if info.orbax is not None:
             item = info.item
             path = info.orbax.item_dir(item)
@@ -388,6 +395,15 @@ class OrbaxStore:
                 _transfer.check_read(step, item, name, got.get(name), to_read[name], self.directory)
             out.update(got)
         return out
+
+    def _check_sizes(self, info: _layout.StepInfo, item: str) -> None:
+        """Before Orbax reads an item of a jaxckpt step (once a step): CorruptCheckpointError
+        naming each file it would read whole that is swollen (`_sizes.oversized`)."""
+        key = (info.folder(self.directory) / item, info.saved_at)
+        if key not in self._sized:
+            if problems := _sizes.oversized(key[0]):
+                raise CorruptCheckpointError(info.step, problems, str(self.directory))
+            self._sized = {k for k in self._sized if k[0] != key[0]} | {key}
 
     def _read_packed(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]

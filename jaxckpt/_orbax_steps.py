@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import _internals, _layout, _transfer
-from jaxckpt._storage import files_below
+from jaxckpt._storage import files_below, read_small
 from jaxckpt._tree import ARRAY, KEY, PYTHON, EmptyNode, LeafSpec, ReadRequest, childless, leaf_name
 from jaxckpt.errors import ConfigError, CorruptCheckpointError
 
@@ -99,7 +99,7 @@ def missing_chunks(path: epath.Path) -> list[str]:
     problems = []
     for leaf in sorted(p for p in path.iterdir() if (p / ".zarray").exists()):
         try:
-            zarray = json.loads((leaf / ".zarray").read_text())
+            zarray = json.loads(read_small(path, f"{leaf.name}/.zarray"))
             grid = [-(-n // c) for n, c in zip(zarray["shape"], zarray["chunks"], strict=True)]
         except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
             problems.append(f"{leaf.name}/.zarray is unreadable: {_transfer.first_line(e)}")
@@ -132,7 +132,7 @@ def _legacy_tree(path: epath.Path) -> Any:
         if not name or "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError(f"a leaf is named {name!r}, which is no folder of the item")
         try:
-            zarray = json.loads((path / name / ".zarray").read_text())
+            zarray = json.loads(read_small(path, f"{name}/.zarray"))
         except (OSError, ValueError) as e:
             raise ValueError(f"{name}/.zarray is unreadable: {e}") from None
         return ocp.metadata.ArrayMetadata(

@@ -51,7 +51,7 @@ from etils import epath
 from jaxckpt._integrity import hasher
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
-from jaxckpt._storage import file_sizes, is_remote, open_inside, write_file
+from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small, write_file
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
 from jaxckpt._tree import ReadRequest, dtype_name, is_count, is_counts
 
@@ -277,8 +277,7 @@ def merge(folder: epath.Path, processes: int) -> None:
     def load(name: str) -> Any:
         if name not in present:
             return None
-        with open_inside(folder, name, size=present[name]) as f:
-            return json.loads(f.read())
+        return json.loads(read_small(folder, name, present[name]))
 
     with concurrent.futures.ThreadPoolExecutor(16, "jaxckpt-packed-merge") as pool:
         indexes = list(pool.map(load, names))
@@ -353,9 +352,11 @@ class PackedStep:
 
     def _indexes(self, processes: int, parts: Sequence[int] | None) -> list[tuple]:
         """Each process's index, with where it was: from the merged index (`merge`) when
-        every process's is wanted and it is there, one read whatever the process count;
-        else each from its own file (a process's missing: its leaves are found incomplete)."""
-        if parts is None and PACKED_INDEX in self._present:
+        every process's is wanted, it is there and it saves a read (a one-process step,
+        whose own index is there, never reads a stray one), one read whatever the process
+        count; else each from its own file (a process's missing: its leaves are found incomplete)."""
+        several = processes > 1 or packed_files(0, 1)[1] not in self._present
+        if parts is None and several and PACKED_INDEX in self._present:
             doc = self._load(PACKED_INDEX)
             ok = type(doc) is dict and doc.get("format") == INDEX_FORMAT
             indexes = doc["indexes"] if ok and "indexes" in doc else None
@@ -375,8 +376,7 @@ class PackedStep:
 
     def _load(self, rel: str) -> Any:
         try:
-            with self._open(self.folder, rel, size=self._present[rel]) as f:
-                return json.loads(f.read())
+            return json.loads(read_small(self.folder, rel, self._present[rel], opener=self._open))
         except (OSError, ValueError, RecursionError) as e:
             raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import jax
 from etils import epath
 
-from jaxckpt import _integrity, _iterators, _layout, _orbax, _orbax_steps, _spread
+from jaxckpt import _integrity, _iterators, _layout, _listing, _orbax, _orbax_steps, _spread
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
 from jaxckpt._spread import refusing
@@ -182,8 +182,8 @@ class Checkpoint:
 
     # ---------------------------------------------------------------------------- listing
 
-    def listing(self, *, newest: bool = False) -> _layout.Listing:
-        """The directory as it is now (`_layout.Listing`); `newest`: only down to the newest
+    def listing(self, *, newest: bool = False) -> _listing.Listing:
+        """The directory as it is now (`_listing.Listing`); `newest`: only down to the newest
         committed step, whatever the number of steps."""
         return self._store.scan(newest=newest)
 
@@ -200,7 +200,7 @@ class Checkpoint:
         self._warn_unreadable(listing)
         return listing.latest
 
-    def _warn_unreadable(self, listing: _layout.Listing) -> None:
+    def _warn_unreadable(self, listing: _listing.Listing) -> None:
         """Logs each step-like folder no one can read (damaged or foreign) that `listing`
         met, once: a resume would otherwise pass over it without a word."""
         found = {repr(name): why for name, why in listing.unreadable.items()}

@@ -141,6 +141,32 @@ def files_below(root: Any) -> Iterator[Any]:
                 yield path
 
 
+def sizes_below(root: Any) -> dict[str, int]:
+    """Every regular file below `root`, by its path there, with its size: on object storage
+    from one listing of all its objects; locally a listing per folder, no link followed
+    (links and special files are left out: no reader opens them)."""
+    if is_remote(root):
+        fs, key = _filesystem(root)
+        prefix = key.rstrip("/") + "/"
+        found = fs.find(key, detail=True)
+        return {
+            name[len(prefix) :]: int(e["size"])
+            for name, e in found.items()
+            if name.startswith(prefix) and e.get("type") != "directory"
+        }
+    sizes, stack = {}, [""]
+    while stack:
+        folder = stack.pop()
+        with os.scandir(os.path.join(root, folder)) as entries:
+            for e in entries:
+                rel = f"{folder}/{e.name}" if folder else e.name
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                elif e.is_file(follow_symlinks=False):
+                    sizes[rel] = e.stat(follow_symlinks=False).st_size
+    return sizes
+
+
 def open_inside(root: Any, rel: str, size: int | None = None) -> Any:
     """Opens the file `root/rel` for reading. Locally it goes down one folder at a time
     without following a link, and opens only a regular file: a folder swapped for a link
@@ -164,6 +190,77 @@ def open_inside(root: Any, rel: str, size: int | None = None) -> Any:
         os.close(file_fd)
         raise OSError(f"{rel} is not a regular file")
     return os.fdopen(file_fd, "rb")
+
+
+# A file read whole (JSON metadata, an index, a lease, Orbax's tree metadata) is at most this
+# long: far above any real one (~250 bytes a leaf: a million-leaf state's jaxckpt.json), so
+# that a file swollen by damage or malice is refused before a byte of it is read.
+SMALL_FILE_LIMIT_VARIABLE = "JAXCKPT_MAX_METADATA_BYTES"
+_SMALL_FILE_LIMIT = 256 * 2**20
+
+
+def small_file_limit() -> int:
+    """The most bytes a file read whole may hold: 256 MiB, or the environment's
+    JAXCKPT_MAX_METADATA_BYTES (ConfigError if that is not a positive byte count)."""
+    raw = os.environ.get(SMALL_FILE_LIMIT_VARIABLE)
+    if raw is None:
+        return _SMALL_FILE_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ConfigError(f"{SMALL_FILE_LIMIT_VARIABLE}={raw!r} is not a positive byte count")
+    return limit
+
+
+def read_small(
+    root: Any, rel: str, size: int | None = None, *, opener: Any = None, limit: int | None = None
+) -> bytes:
+    """The whole of the file `root/rel`, opened as `open_inside` opens it (or `opener(root,
+    rel, size)`), read by `read_whole`: its length checked before one byte is read."""
+    with (opener or open_inside)(root, rel, size=size) as f:
+        return read_whole(f, size, limit=limit)
+
+
+def read_whole(f: Any, size: int | None = None, *, limit: int | None = None) -> bytes:
+    """The whole of an open file (a local one, or an object `open_inside` opened), its
+    length checked before one byte is read: at most `limit` (default `small_file_limit()`),
+    and `size` when the caller knows what it should be (a listing's or a manifest's);
+    OSError saying why otherwise. Every file jaxckpt reads whole is read here (a test
+    holds every module to it), so that no allocation is sized by what a file claims."""
+    own = limit is None
+    limit = small_file_limit() if limit is None else limit
+    found = size if size is not None and not _knows_size(f) else _size_of(f)
+    if size is not None and found != size:
+        raise OSError(f"{found:,} bytes, {size:,} expected")
+    if found > limit:
+        why = f"({SMALL_FILE_LIMIT_VARIABLE} raises it)" if own else "for what it holds"
+        raise OSError(f"{found:,} bytes, over the {limit:,} such a file may hold {why}")
+    data = f.read(found + 1)
+    if len(data) != found:
+        raise OSError(f"{len(data):,} bytes where it held {found:,} a moment before: it changed")
+    return bytes(data)
+
+
+def _knows_size(f: Any) -> bool:
+    """Whether the file itself can tell its size (an fsspec file, say, cannot)."""
+    if isinstance(f, _Object):
+        return True
+    try:
+        f.fileno()
+    except (AttributeError, OSError):  # (io.UnsupportedOperation is an OSError)
+        return False
+    return True
+
+
+def _size_of(f: Any) -> int:
+    if isinstance(f, _Object):
+        return f.length()
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError):
+        raise OSError("a file whose size cannot be known before it is read") from None
 
 
 def write_file(folder: Any, name: str, chunks: Iterable[Any], digest: Any) -> int:
@@ -263,19 +360,44 @@ class _Object(io.RawIOBase):
         if whence not in (os.SEEK_SET, os.SEEK_CUR, os.SEEK_END):
             raise ValueError(f"invalid whence ({whence})")
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos}.get(whence)
-        pos = offset + (self._length() if base is None else base)
+        pos = offset + (self.length() if base is None else base)
         if pos < 0:
             raise OSError(errno.EINVAL, f"{self._key}: a seek to before its start")
         self._pos = pos
         return pos
 
-    def _length(self) -> int:
+    def length(self) -> int:
+        """The object's size: as given, learnt, or asked for (one request)."""
         if self._size is None:
-            self._size = int(self._fs.size(self._key))
+            try:
+                self._size = int(self._fs.size(self._key))
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # the store's own
+                raise OSError(f"{self._key}: {e}") from e
         return self._size
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most `size` bytes (all to the end if negative), in one request; nothing is
+        allocated ahead of what the store returns."""
+        if size is None or size < 0:
+            return self.readall()
+        stop = self._pos + size
+        if self._size is not None:
+            stop = min(stop, self._size)
+        data = self._get(self._pos, stop)
+        self._pos += len(data)
+        if self._pos < stop:  # fewer bytes than asked: the end
+            self._size = self._pos
+        return data
+
     def readall(self) -> bytes:
-        data = self._get(self._pos, None)
+        """The rest of the object in one request, which asks for no more than a file read
+        whole may hold (`small_file_limit`): OSError if there is more."""
+        limit = small_file_limit()
+        data = self._get(self._pos, self._pos + limit + 1)
+        if len(data) > limit:
+            raise OSError(f"{self._key}: over the {limit:,} bytes an object read whole may hold")
         self._pos += len(data)
         self._size = self._pos
         return data
@@ -303,7 +425,7 @@ class _Object(io.RawIOBase):
         except FileNotFoundError:
             raise
         except Exception as e:  # the store's own (gcsfs: HttpError), or OSError
-            if self._size is None and start >= self._length():  # a range from the end on
+            if self._size is None and start >= self.length():  # a range from the end on
                 return b""
             raise OSError(f"{self._key}: {e}") from e
         if stop is not None and len(data) > stop - start:

@@ -88,7 +88,8 @@ def delete_file(d: Any) -> str:
 
 def garbage_metadata(d: Any) -> str:
     (d / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
-    return "jaxckpt/jaxckpt.json: (contents changed|.*truncated or grown)"
+    # (a listing reads the newest step's jaxckpt.json: found unreadable, the step is damaged)
+    return "jaxckpt/jaxckpt.json(: (contents changed|.*truncated or grown)| is unreadable)"
 
 
 def missing_metadata(d: Any) -> str:

@@ -524,12 +524,14 @@ def test_an_orbax_step_is_checked_against_the_target_like_a_jaxckpt_step(tmp_pat
 def test_damaged_orbax_files_are_named_never_a_traceback(tmp_path, mesh):
     directory = single_item(tmp_path / "run", train_state(mesh))
     (directory / str(STEP) / "default" / "_METADATA").write_text("{not json")
-    with pytest.raises(
-        jaxckpt.errors.CorruptCheckpointError, match="metadata of its item 'default'"
-    ):
-        jaxckpt.CheckpointManager(directory, read_only=True).restore()
+    damaged = "default/_METADATA is unreadable"  # (the newest step's metadata, read first)
+    reader = jaxckpt.CheckpointManager(directory, read_only=True)
+    with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=damaged):
+        reader.restore(STEP)
+    with pytest.raises(jaxckpt.errors.NoCheckpointError, match=damaged):
+        reader.restore()  # the only step: none to resume from
     result = cli("inspect", directory)
-    assert result.exit_code != 0 and "metadata of its item 'default'" in result.output
+    assert result.exit_code != 0 and damaged in result.output
 
 
 def test_missing_array_data_fails_verify_and_restore(tmp_path, mesh):

@@ -1,5 +1,5 @@
 """How a checkpoint directory is listed (its layout: `docs/layout.md`), as users'
-directories are: many steps, stray and hostile step folders, nothing readable. jaxckpt lists a directory itself (`_layout.Listing`),
+directories are: many steps, stray and hostile step folders, nothing readable. jaxckpt lists a directory itself (`_listing.Listing`),
 never through Orbax's listing, which read every step's metadata."""
 
 import logging
@@ -122,6 +122,53 @@ def test_latest_step_looks_only_down_to_the_newest_committed_step(tmp_path, capl
         assert "'0' cannot be read" in caplog.text
         m.save(401, state={"w": jnp.ones(4)})
     assert jaxckpt.CheckpointManager(directory, read_only=True).latest_step() == 401
+
+
+@pytest.mark.parametrize("garbage", [b"0123456789", b"[1, 2]", b"{" * 50_000, b""])
+def test_a_checkpoint_folder_whose_tree_metadata_is_garbage_is_never_the_latest_step(
+    tmp_path, caplog, garbage
+):
+    """A `checkpoint_<N>` folder holding a 10-byte `_METADATA` counted as the newest
+    committed step: latest_step() named it, a resumed writer started at N + 1, and its
+    restore raised. Now the newest step is read before it is named (its tree metadata,
+    O(1) reads): the folder is logged as damaged, passed over, and never resumed from."""
+    from flax.training import checkpoints
+
+    directory = tmp_path / "ckpt"
+    checkpoints.save_checkpoint(directory, {"w": np.full(4, 1.0)}, step=1)
+    checkpoints.save_checkpoint(directory, {"w": np.full(4, 2.0)}, step=2, keep=3)
+    (directory / "checkpoint_9").mkdir()
+    (directory / "checkpoint_9" / "_METADATA").write_bytes(garbage)
+    target = {"w": np.zeros(4)}
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        reader = jaxckpt.CheckpointManager(directory, read_only=True)
+        assert reader.latest_step() == 2
+        assert "'checkpoint_9' cannot be read" not in caplog.text  # a damaged step: by number
+        assert "step folder 9 cannot be read: damaged: checkpoint_9: _METADATA" in caplog.text
+        assert reader.restore(state=target).state["w"].tolist() == [2.0] * 4
+        assert reader.restore(state=target, fallback=True).step == 2
+        assert reader.all_steps() == [1, 2]
+        with pytest.raises(jaxckpt.errors.CorruptCheckpointError, match="checkpoint_9: _METAD"):
+            reader.restore(9, state=target)
+    result = CliRunner().invoke(main, ["ls", str(directory)])
+    assert result.exit_code == 0 and "damaged" in result.output, result.output
+
+
+def test_a_jaxckpt_step_whose_metadata_is_garbage_is_never_the_latest_step(ckpt, caplog):
+    """The same for a jaxckpt step: its jaxckpt.json unreadable, the step before it is the
+    latest, and a writer resumes from it (the damaged folder is never saved over)."""
+    (ckpt / "2" / "jaxckpt" / "jaxckpt.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"), jaxckpt.CheckpointManager(ckpt) as m:
+        assert m.latest_step() == 1 and m.all_steps() == [1]
+        assert "step folder 2 cannot be read: damaged: jaxckpt/jaxckpt.json is unreadable" in (
+            caplog.text
+        )
+        assert m.restore(state={"w": np.zeros(4, np.float32)}).step == 1
+        with pytest.raises(jaxckpt.errors.StepExistsError):
+            m.save(2, state={"w": jnp.ones(4)})
+        m.save(3, state={"w": jnp.ones(4)})
+        m.wait()
+        assert m.latest_step() == 3
 
 
 def test_a_flax_folder_below_the_newest_step_is_never_saved_beside(tmp_path):

@@ -288,7 +288,8 @@ def test_a_hostile_packed_entry_in_jaxckpt_json_is_a_corrupt_checkpoint(
     path.write_text(json.dumps(info))
     m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
     with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=match):
-        m.restore(state=_target(_small_and_big(mesh)))
+        m.restore(1, state=_target(_small_and_big(mesh)))
+    assert m.latest_step() is None  # (a step whose metadata is unreadable is none to resume)
 
 
 def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(ckpt_dir):
@@ -363,6 +364,7 @@ def test_a_merged_index_that_is_not_one_is_refused(mesh, ckpt_dir, doc, match):
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
         m.save(1, state=_small_and_big(mesh))
     (ckpt_dir / "1/packed/index.json").write_text(json.dumps(doc))
+    (ckpt_dir / "1/packed/0-of-1.json").unlink()  # (else its own is read, never the merged)
     m = jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False)
     with m, pytest.raises(jaxckpt.errors.CorruptCheckpointError, match=match):
         m.restore(state=_target(_small_and_big(mesh)))

@@ -215,7 +215,7 @@ def verify(checkpoint_dir, step, as_json) -> None:
         # itself and Orbax's two commit files, which Orbax rewrites as it commits).
         sizes = {r.step: disk_usage(ckpt.folder(r.step)) for r in reports}
     if not reports:
-        from jaxckpt._layout import no_checkpoint
+        from jaxckpt._listing import no_checkpoint
 
         raise no_checkpoint(checkpoint_dir, listing.unreadable, listing.uncommitted)
     bad = [r.step for r in reports if not r.ok]

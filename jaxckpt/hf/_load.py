@@ -20,7 +20,7 @@ import numpy as np
 from etils import epath
 from jax import tree_util
 
-from jaxckpt._storage import absolute, is_remote
+from jaxckpt._storage import absolute, is_remote, read_whole
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import (
     FormatError,
@@ -192,11 +192,9 @@ def _read_index(index: Path | epath.Path) -> dict[str, str]:
         if size > MAX_INDEX:
             raise FormatError(f"{index} has {size} bytes, too many for an index (at most 100 MB)")
         try:
-            raw = f.read(MAX_INDEX + 1)
+            raw = read_whole(f, size, limit=MAX_INDEX)
         except OSError as e:
-            raise FormatError(f"cannot read {index}: {e.strerror or type(e).__name__}") from None
-    if len(raw) > MAX_INDEX:
-        raise FormatError(f"{index} grew past 100 MB while it was read")
+            raise FormatError(f"cannot read {index}: {e.strerror or e}") from None
     data = st.parse_json(raw, str(index))
 
     def invalid(why: str) -> FormatError:

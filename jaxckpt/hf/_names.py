@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxckpt._storage import read_whole
 from jaxckpt.errors import ConfigError, NameMapError
 
 _OPTIONS = ("transpose", "split", "drop", "reshape", "scale")  # a rule's keys besides match, name
@@ -88,8 +89,9 @@ class NameMap:
 
             path = Path(source)
             try:
-                source = yaml.safe_load(path.read_text()) or {}
-            except (OSError, yaml.YAMLError) as e:
+                with path.open("rb") as f:
+                    source = yaml.safe_load(read_whole(f).decode("utf-8")) or {}
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
                 raise ConfigError(f"cannot read the name map {path}: {e}") from None
         if not isinstance(source, Mapping):
             raise ConfigError(f"a name map is a mapping with 'rules', got {type(source).__name__}")
