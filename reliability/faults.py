@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,12 @@ def missing_metadata(d: Any) -> str:
     return "jaxckpt/jaxckpt.json is missing"
 
 
+def swollen_manifest(d: Path) -> str:
+    """The manifest made a 1.5 GiB sparse file (4 KiB of disk): refused by its size."""
+    os.truncate(d / "2" / "jaxckpt" / "manifest.json", 3 * 2**29)
+    return r"jaxckpt/manifest.json is unreadable: 1,610,612,736 bytes, over the"
+
+
 def empty_step(d: Path) -> str:
     shutil.rmtree(d / "2")
     (d / "2").mkdir()
@@ -119,8 +126,12 @@ CORRUPTIONS = {
     "garbage metadata JSON": garbage_metadata,
     "missing metadata JSON": missing_metadata,
     "empty step directory": empty_step,
+    "swollen manifest": swollen_manifest,
     "manifest that does not match": manifest_mismatch,
 }
 # On object storage: every one but the empty step folder (with no objects, a folder is not
-# there at all: the step is simply gone).
-REMOTE_CORRUPTIONS = {k: v for k, v in CORRUPTIONS.items() if v is not empty_step}
+# there at all: the step is simply gone) and the swollen manifest (1.5 GiB to upload; that
+# a swollen object is never fetched is tests/test_bounded_reads.py's).
+REMOTE_CORRUPTIONS = {
+    k: v for k, v in CORRUPTIONS.items() if v not in (empty_step, swollen_manifest)
+}
