@@ -48,12 +48,14 @@ from typing import Any
 
 from etils import epath
 
-from jaxckpt._storage import read_small
-from jaxckpt._tree import EmptyNode, LeafSpec, empty_from_json, empty_to_json
-from jaxckpt.errors import (
-    CorruptCheckpointError,
-    DataStateError,
+from jaxckpt._storage import (
+    SMALL_FILE_LIMIT_VARIABLE,
+    StoreReadError,
+    read_small,
+    small_file_limit,
 )
+from jaxckpt._tree import EmptyNode, LeafSpec, empty_from_json, empty_to_json
+from jaxckpt.errors import ConfigError, CorruptCheckpointError, DataStateError
 
 STATE, RNG, DATA, PACKED = "state", "rng", "data", "packed"  # Orbax items: step folders
 ITEMS = (STATE, RNG)  # the items of arrays
@@ -264,11 +266,30 @@ def _read_json(directory: epath.Path, step: int, rel: str) -> Any:
     if it is not there, CorruptCheckpointError naming it if it cannot be read."""
     try:
         return json.loads(read_small(directory / str(step), rel))
-    except FileNotFoundError:
+    except (FileNotFoundError, StoreReadError):  # (the store failed, not the step)
         raise
     except (OSError, ValueError, RecursionError) as e:
         problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise _corrupt(directory, step, f"{rel} is unreadable: {problem}") from None
+
+
+def check_readable_size(info: StepInfo) -> None:
+    """ConfigError when the step's jaxckpt.json would be longer than a reader reads whole
+    (`_storage.small_file_limit`): a step no one could restore is never written. A rough
+    bound first (a leaf's spec is its name and ~250 bytes); exact only near the limit."""
+    specs = (*info.state, *info.rng)
+    limit = small_file_limit()
+    meta = len(json.dumps(info.meta)) if info.meta is not None else 0
+    if 2 * meta + sum(2 * len(s.name) + 400 for s in specs) < limit:
+        return
+    size = len(json.dumps(info.to_json()).encode())
+    if size > limit:
+        raise ConfigError(
+            f"step {info.step}: its metadata ({INFO_PATH}, {len(specs):,} leaves) would be "
+            f"{size:,} bytes, over the {limit:,} a reader reads whole. Set "
+            f"{SMALL_FILE_LIMIT_VARIABLE} above it, for the writer and every reader, or save "
+            "fewer, larger leaves (or a smaller meta)"
+        )
 
 
 def read_info(directory: epath.Path, step: int) -> StepInfo:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -39,14 +38,12 @@ from jaxckpt._layout import (
     read_info,
     step_of,
 )
-from jaxckpt._storage import entries, file_sizes, is_remote, read_small
+from jaxckpt._storage import StoreReadError, entries, file_sizes, is_remote, read_small
 from jaxckpt.errors import (
     CorruptCheckpointError,
     NoCheckpointError,
     StepNotFoundError,
 )
-
-log = logging.getLogger("jaxckpt")
 
 
 def no_checkpoint(
@@ -116,6 +113,8 @@ class Listing:
     deleting: the folders and tombstones of deletions under way (jaxckpt's own).
     prefixed: the steps of folders named otherwise than jaxckpt names them (`checkpoint_12`),
       looked into or not.
+    read: the committed steps whose metadata was read and found readable, each with its
+      folder's name (a later listing does not read them again).
     """
 
     directory: epath.Path
@@ -127,6 +126,7 @@ class Listing:
     damaged: Mapping[int, str] = dataclasses.field(default_factory=dict)
     deleting: tuple[str, ...] = ()
     prefixed: frozenset[int] = frozenset()
+    read: frozenset[tuple[int, str]] = frozenset()
 
     @property
     def own(self) -> tuple[int, ...]:
@@ -149,17 +149,20 @@ class Listing:
         *,
         newest: bool = False,
         known: Mapping[int, OrbaxStep] | None = None,
+        read: frozenset[tuple[int, str]] = frozenset(),
     ) -> Listing:
         """Lists `directory` once, then looks into its step folders: a stat or two each
-        (requests, on object storage), none read through Orbax. `newest`: from the newest
-        step down, only until a committed one is found, so that the newest committed step
-        costs the same whatever the number of steps. `known`: the Orbax steps an earlier
-        listing found, not read again while their folder is there."""
+        (requests, on object storage), none read through Orbax; the newest committed step's
+        metadata is read too (until one reads: O(1) reads). `newest`: from the newest step
+        down, only until a committed one is found, so that the newest committed step costs
+        the same whatever the number of steps. `known`: the Orbax steps an earlier listing
+        found, and `read` the steps whose metadata it read (`Listing.read`), neither read
+        again while their folder is there."""
         try:
             found = entries(directory)
         except (FileNotFoundError, NotADirectoryError):  # removed under a reader
             return cls(directory)
-        return _Lister(directory, dict(found), known or {}).listing(newest)
+        return _Lister(directory, dict(found), known or {}, read).listing(newest)
 
     def resolve(self, step: int | None) -> int:
         """`step` if committed (None: the latest committed); jaxckpt's errors otherwise."""
@@ -179,8 +182,9 @@ class Listing:
 class _Lister:
     """One `Listing.of`: the directory's names, sorted into what each step folder is."""
 
-    def __init__(self, directory: epath.Path, kinds: dict[str, str], known: Mapping):
-        self.directory, self.kinds, self.known = directory, kinds, known
+    def __init__(self, directory: epath.Path, kinds: dict[str, str], known: Mapping, read: Any):
+        self.directory, self.kinds, self.known, self.was_read = directory, kinds, known, read
+        self.read: set[tuple[int, str]] = set()
         self.remote, self.base = is_remote(directory), str(directory)
         self.own: set[int] = set()
         self.orbax: dict[int, OrbaxStep] = {}
@@ -225,12 +229,18 @@ class _Lister:
             damaged=self.damaged,
             deleting=tuple(sorted(deleting)),
             prefixed=frozenset(s for s, names in steps.items() if names != [str(s)]),
+            read=frozenset(self.read),
         )
 
     def _readable(self, step: int) -> bool:
         """Whether the metadata of the committed `step` can be read: its jaxckpt.json, or
         each of its Orbax pytree items' tree metadata. If not, it is filed as damaged, with
         why, and is no longer committed."""
+        found = self.orbax.get(step)
+        key = (step, str(step) if found is None else found.path.name)
+        if key in self.was_read or key in self.read:
+            self.read.add(key)
+            return True
         if step in self.own:
             try:
                 read_info(self.directory, step)
@@ -241,10 +251,9 @@ class _Lister:
                 self.own.discard(step)
                 self.damaged[step] = "; ".join(e.problems)
                 return False
+            self.read.add(key)
             return True
-        found = self.orbax.get(step)
-        if found is None or found.path == self.directory:  # (a bare checkpoint: step 0)
-            return True
+        assert found is not None  # (committed: jaxckpt's or Orbax's)
         for item in found.items_of("pytree"):
             if why := _tree_problem(found.item_dir(item)):
                 del self.orbax[step]
@@ -253,6 +262,7 @@ class _Lister:
                 folder = "" if found.path.name == str(step) else f"{found.path.name}: "
                 self.damaged[step] = f"{folder}{where}{why}"
                 return False
+        self.read.add(key)
         return True
 
     def _has_info(self, name: str) -> bool:
@@ -302,6 +312,8 @@ def _tree_problem(item_dir: epath.Path) -> str | None:
         return None if sizes.get(ORBAX_LEGACY_FILE) else f"{ORBAX_LEGACY_FILE} is empty"
     except FileNotFoundError:
         return f"its tree metadata ({ORBAX_TREE_FILE}) is gone"
+    except StoreReadError:  # the store failed, not the step: never a reason to pass it over
+        raise
     except (OSError, ValueError, RecursionError) as e:
         return f"{ORBAX_TREE_FILE} is unreadable: {e}"
 

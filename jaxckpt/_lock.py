@@ -24,7 +24,6 @@ import datetime
 import fcntl
 import json
 import logging
-import math
 import os
 import socket
 import stat
@@ -301,7 +300,7 @@ class Holder(NamedTuple):
     lease at once or wait for ever."""
 
     id: str | None  # the lease's writer (`ObjectLease`): a uuid4 in hex
-    lease_s: float | None  # its term: a finite number of seconds above 0
+    lease_s: float | None  # its term: seconds, above 0 and at most MAX_LEASE_S
     name: str  # "host H pid P (since S)", or "another process"
 
     @classmethod
@@ -321,10 +320,14 @@ class Holder(NamedTuple):
         )
 
 
+MAX_LEASE_S = 7 * 24 * 3600.0  # the longest term a writer may hold its lease for
+
+
 def _seconds(value: Any) -> bool:
-    """A term: a finite number above 0 (JSON's NaN, Infinity, a bool, text: not one)."""
+    """A term: a number above 0 and at most MAX_LEASE_S (JSON's NaN and Infinity, an
+    integer too large for a float, a bool, text: not one; compared, never converted)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
+    return number and 0 < value <= MAX_LEASE_S
 
 
 def _text(value: Any) -> bool:

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 
 from jaxckpt import _internals, _iterators, _layout, _listing, _local, _orbax
 from jaxckpt._local import LocalTier
-from jaxckpt._lock import writer_lock
+from jaxckpt._lock import MAX_LEASE_S, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
@@ -127,8 +127,11 @@ class CheckpointManager:
             raise ConfigError(
                 f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
             )
-        if not (isinstance(writer_lease_s, int | float) and writer_lease_s > 0):
-            raise ConfigError(f"writer_lease_s must be a positive number, got {writer_lease_s!r}")
+        if not (isinstance(writer_lease_s, int | float) and 0 < writer_lease_s <= MAX_LEASE_S):
+            raise ConfigError(
+                f"writer_lease_s must be a number of seconds above 0 and at most a week "
+                f"({MAX_LEASE_S:g}), got {writer_lease_s!r}"
+            )
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
         if local is not None and not isinstance(local, LocalTier):
@@ -285,6 +288,7 @@ class CheckpointManager:
                 process_count=jax.process_count(),
                 versions={"jax": jax.__version__},
             )
+            _layout.check_readable_size(info)
             arrays = {_layout.STATE: state_arrays, _layout.RNG: rng_arrays}
             if local and self._local is not None:  # (local is only ever due with a local tier)
                 with self._local_errors(self._local):

@@ -88,6 +88,7 @@ class OrbaxStore:
         self._lock = lock
         self._saving: int | None = None
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
+        self._read_steps: frozenset[tuple[int, str]] = frozenset()  # (`Listing.read`)
         self._prefixed: frozenset[int] = frozenset()
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
@@ -176,8 +177,11 @@ class OrbaxStore:
     def scan(self, *, newest: bool = False) -> _listing.Listing:
         """The directory as it is now (another process may have written or deleted);
         `newest`: only down to the newest committed step (`_listing.Listing.of`)."""
-        listing = _listing.Listing.of(self.directory, newest=newest, known=self._orbax_steps)
+        listing = _listing.Listing.of(
+            self.directory, newest=newest, known=self._orbax_steps, read=self._read_steps
+        )
         self._orbax_steps = dict(listing.orbax)
+        self._read_steps = listing.read
         self._prefixed = listing.prefixed
         return listing
 
@@ -220,8 +224,8 @@ class OrbaxStore:
         Orbax step's pytree item `item` (None: its only one)."""
         found = self._orbax_steps.get(step)
         if found is not None:
-            # before Orbax opens any: no link, no file it would read whole swollen
-            if problems := _integrity.unsafe_entries(found.path) or _sizes.oversized(found.path):
+            # before Orbax opens any: no link, no file it would read whole swollen (once)
+            if problems := _integrity.unsafe_entries(found.path) or self._oversized(found.path):
                 raise CorruptCheckpointError(step, problems, str(self.directory))
             return _orbax_steps.info(self.directory, step, found, item, self._item_tree)
         if item not in (None, _layout.STATE):
@@ -397,13 +401,21 @@ class OrbaxStore:
         return out
 
     def _check_sizes(self, info: _layout.StepInfo, item: str) -> None:
-        """Before Orbax reads an item of a jaxckpt step (once a step): CorruptCheckpointError
-        naming each file it would read whole that is swollen (`_sizes.oversized`)."""
-        key = (info.folder(self.directory) / item, info.saved_at)
-        if key not in self._sized:
-            if problems := _sizes.oversized(key[0]):
-                raise CorruptCheckpointError(info.step, problems, str(self.directory))
-            self._sized = {k for k in self._sized if k[0] != key[0]} | {key}
+        """Before Orbax reads an item of a jaxckpt step: CorruptCheckpointError naming each
+        file it would read whole that is swollen (`_oversized`)."""
+        if problems := self._oversized(info.folder(self.directory) / item, info.saved_at):
+            raise CorruptCheckpointError(info.step, problems, str(self.directory))
+
+    def _oversized(self, folder: epath.Path, saved_at: str | None = None) -> list[str]:
+        """`_sizes.oversized(folder)`, listed once a step (`saved_at`: a deleted step's
+        number may be saved again) while nothing is found."""
+        key = (folder, saved_at)
+        if key in self._sized:
+            return []
+        if problems := _sizes.oversized(folder):
+            return problems
+        self._sized = {k for k in self._sized if k[0] != folder} | {key}
+        return []
 
     def _read_packed(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]

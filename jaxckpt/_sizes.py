@@ -1,5 +1,5 @@
 """How long each file that Orbax or tensorstore reads whole may be, checked from one listing
-before they open anything: a file swollen by damage or malice (a 1.5 GiB sparse file in
+(and each zarr array's metadata, in the layouts without OCDBT) before they open anything: a file swollen by damage or malice (a 1.5 GiB sparse file in
 4 KiB of disk) is refused by its size, never allocated.
 
 jaxckpt's own reads are bounded where they happen (`_storage.read_small`); Orbax and
@@ -54,7 +54,7 @@ def oversized(folder: epath.Path) -> list[str]:
         if name in WHOLE or WHOLE_FOLDERS & set(folders):
             if size > limit:
                 over(rel, limit, f"such a file may hold ({SMALL_FILE_LIMIT_VARIABLE} raises it)")
-            elif name in _ZARR and (bound := _chunk_bound(folder, rel)) is not None:
+            elif name in _ZARR and (bound := _chunk_bound(folder, rel, size)) is not None:
                 arrays[rel.rpartition("/")[0]] = bound
     for rel, size in sizes.items():
         if rel.rpartition("/")[2] in WHOLE:
@@ -71,11 +71,11 @@ def _parents(rel: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _chunk_bound(folder: epath.Path, rel: str) -> int | None:
-    """The most bytes one chunk file of the array whose metadata is `rel` may hold (None:
-    metadata this cannot read, which Orbax then refuses itself)."""
+def _chunk_bound(folder: epath.Path, rel: str, size: int) -> int | None:
+    """The most bytes one chunk file of the array whose metadata is `rel` (`size` bytes, as
+    listed) may hold (None: metadata this cannot read, which Orbax then refuses itself)."""
     try:
-        meta = json.loads(read_small(folder, rel))
+        meta = json.loads(read_small(folder, rel, size))
         if rel.endswith(".zarray"):
             shape, dtype = meta["chunks"], meta["dtype"]
         else:

@@ -199,6 +199,16 @@ SMALL_FILE_LIMIT_VARIABLE = "JAXCKPT_MAX_METADATA_BYTES"
 _SMALL_FILE_LIMIT = 256 * 2**20
 
 
+class SizeError(OSError):
+    """A file read whole is not the size it may be: what it holds is wrong (damage or
+    malice), not the storage that holds it."""
+
+
+class StoreReadError(OSError):
+    """Object storage failed a read (its own error, or an unanswered request): the object
+    may be whole; the store is what failed."""
+
+
 def small_file_limit() -> int:
     """The most bytes a file read whole may hold: 256 MiB, or the environment's
     JAXCKPT_MAX_METADATA_BYTES (ConfigError if that is not a positive byte count)."""
@@ -233,13 +243,13 @@ def read_whole(f: Any, size: int | None = None, *, limit: int | None = None) -> 
     limit = small_file_limit() if limit is None else limit
     found = size if size is not None and not _knows_size(f) else _size_of(f)
     if size is not None and found != size:
-        raise OSError(f"{found:,} bytes, {size:,} expected")
+        raise SizeError(f"{found:,} bytes, {size:,} expected")
     if found > limit:
-        why = f"({SMALL_FILE_LIMIT_VARIABLE} raises it)" if own else "for what it holds"
-        raise OSError(f"{found:,} bytes, over the {limit:,} such a file may hold {why}")
+        why = f" ({SMALL_FILE_LIMIT_VARIABLE} raises it)" if own else ""
+        raise SizeError(f"{found:,} bytes, over the {limit:,} such a file may hold{why}")
     data = f.read(found + 1)
     if len(data) != found:
-        raise OSError(f"{len(data):,} bytes where it held {found:,} a moment before: it changed")
+        raise SizeError(f"{len(data):,} bytes where it held {found:,} a moment before: it changed")
     return bytes(data)
 
 
@@ -374,7 +384,7 @@ class _Object(io.RawIOBase):
             except FileNotFoundError:
                 raise
             except Exception as e:  # the store's own
-                raise OSError(f"{self._key}: {e}") from e
+                raise StoreReadError(f"{self._key}: {e}") from e
         return self._size
 
     def read(self, size: int | None = -1) -> bytes:
@@ -397,7 +407,7 @@ class _Object(io.RawIOBase):
         limit = small_file_limit()
         data = self._get(self._pos, self._pos + limit + 1)
         if len(data) > limit:
-            raise OSError(f"{self._key}: over the {limit:,} bytes an object read whole may hold")
+            raise SizeError(f"{self._key}: over the {limit:,} bytes an object read whole may hold")
         self._pos += len(data)
         self._size = self._pos
         return data
@@ -427,7 +437,7 @@ class _Object(io.RawIOBase):
         except Exception as e:  # the store's own (gcsfs: HttpError), or OSError
             if self._size is None and start >= self.length():  # a range from the end on
                 return b""
-            raise OSError(f"{self._key}: {e}") from e
+            raise StoreReadError(f"{self._key}: {e}") from e
         if stop is not None and len(data) > stop - start:
             raise OSError(f"{self._key}: {len(data)} bytes for a range of {stop - start}")
         return data

@@ -125,6 +125,11 @@ _WHOLE_CALLS = {"read_text", "read_bytes", "readall"}
 _DOWNLOADS = {"download_as_bytes", "download_as_text", "download_as_string"}
 
 
+def _ranged(call: ast.Call) -> bool:
+    """A download or `cat_file` that asks for a range with an end."""
+    return "end" in {k.arg for k in call.keywords}
+
+
 def test_every_whole_file_read_goes_through_read_whole():
     """No module of jaxckpt reads a file (or an object) whole but through
     `_storage.read_whole`, which checks its length first: `f.read()` with no size,
@@ -142,11 +147,22 @@ def test_every_whole_file_read_goes_through_read_whole():
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             name, on = node.func.attr, node.func.value
+            unsized = not node.keywords and (
+                not node.args
+                or (isinstance(node.args[0], ast.Constant) and node.args[0].value in (None, -1))
+                or isinstance(node.args[0], ast.UnaryOp)  # read(-1)
+            )
+            module = on.id if isinstance(on, ast.Name) else None
             whole = (
-                (name == "read" and not node.args and not node.keywords)
+                (name == "read" and unsized)
                 or name in _WHOLE_CALLS
-                or (name in _DOWNLOADS and "end" not in {k.arg for k in node.keywords})
-                or (name == "load" and isinstance(on, ast.Name) and on.id in ("json", "yaml"))
+                or (name in _DOWNLOADS | {"cat_file", "cat"} and not _ranged(node))
+                or (name == "load" and module in ("json", "yaml", "pickle", "np", "numpy"))
+                or (
+                    name in ("safe_load", "load")
+                    and module == "yaml"
+                    and not isinstance(node.args[0], ast.Call)  # (a stream, not bytes read)
+                )
             )
             allowed = path.name == "_storage.py" and owner.get(node) in ("read", "read_whole")
             if whole and not allowed:
@@ -238,3 +254,16 @@ def test_the_readers_bounded_by_their_own_limits_keep_them(tmp_path):
     with pytest.raises(errors.ConfigError, match=r"cannot read the name map .*over the"):
         jaxckpt.NameMap.load(str(names))
     assert os.path.getsize(names) == 3 * 2**29  # (nothing written)
+
+
+def test_a_step_no_reader_could_read_is_never_written(tmp_path, monkeypatch):
+    """The save refuses a step whose jaxckpt.json would be over the limit a reader holds
+    it to: saved, it would be a step latest_step() passes over and no restore reads."""
+    directory = tmp_path / "ckpt"
+    monkeypatch.setenv("JAXCKPT_MAX_METADATA_BYTES", "4000")
+    with jaxckpt.CheckpointManager(directory) as m:
+        many = {f"layer_{i}": np.zeros(2, np.float32) for i in range(40)}
+        with pytest.raises(errors.ConfigError, match="over the 4,000 a reader reads whole"):
+            m.save(1, state=many)
+        m.save(1, state={"w": np.ones(2, np.float32)})  # small enough: saved
+    assert jaxckpt.open(directory).steps() == [1]

@@ -368,6 +368,8 @@ MALFORMED_LEASES = {
     "term-nan": {"lease_s": float("nan")},
     "term-negative": {"lease_s": -1},
     "term-infinite": {"lease_s": float("inf")},
+    "term-huge-int": {"lease_s": 10**400},  # (math.isfinite of it raised OverflowError)
+    "term-over-a-week": {"lease_s": 1e300},  # (a lease never renewed, waited on for ever)
     "names-not-text": {"host": ["h"], "pid": "12", "since": {"t": 0}, "id": 7, "lease_s": 0},
 }
 

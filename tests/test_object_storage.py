@@ -539,7 +539,9 @@ def test_a_store_that_refuses_access_is_a_named_error(bucket, refusing_endpoint)
     url = f"{bucket.url}/run"
     env = _pointed_at(bucket, refusing_endpoint)
     proc = run_python("-m", "children.store_errors", url, timeout=300, env=env)
-    for r in map(json.loads, proc.stdout.splitlines()):
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == 4, proc.stdout
+    for r in results:
         assert r["type"] == "StorageError", r
         assert r["message"].startswith(f"{url}: the store at {refusing_endpoint} refused access"), r
         assert "Check the credentials" in r["message"], r
