@@ -109,7 +109,8 @@ class Listing:
       `<step>.orbax-checkpoint-tmp`; on object storage, `<step>` without its commit file).
     folders: every step folder (committed, damaged or foreign; never one being written).
     unreadable: step-like folders no one can read here: name -> why.
-    damaged: step folders that look like damaged jaxckpt steps: step -> why.
+    damaged: step folders that look like damaged steps: step -> why (jaxckpt's: empty, its
+      metadata missing or unreadable; plain Orbax's: its tree metadata unreadable).
     deleting: the folders and tombstones of deletions under way (jaxckpt's own).
     prefixed: the steps of folders named otherwise than jaxckpt names them (`checkpoint_12`),
       looked into or not.

@@ -1,6 +1,7 @@
 """How long each file that Orbax or tensorstore reads whole may be, checked from one listing
-(and each zarr array's metadata, in the layouts without OCDBT) before they open anything: a file swollen by damage or malice (a 1.5 GiB sparse file in
-4 KiB of disk) is refused by its size, never allocated.
+(and each zarr array's metadata, in the layouts without OCDBT) before they open anything:
+a file swollen by damage or malice (a 1.5 GiB sparse file in 4 KiB of disk) is refused by
+its size, never allocated.
 
 jaxckpt's own reads are bounded where they happen (`_storage.read_small`); Orbax and
 tensorstore read their files themselves, each whole, sized by the file: an item's tree
