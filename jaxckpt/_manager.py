@@ -85,7 +85,8 @@ class CheckpointManager:
         newest step (docs, "Local tier").
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
         stands in for a lock (see the docs, "Object storage"): a writer that stops renewing
-        it for this long (dead or frozen) loses the directory to the next writer.
+        it for this long (dead or frozen) loses the directory to the next writer. At most a
+        week: a longer term read from a lease is taken for garbage.
       store: the class that does the persistent tier's storage work (jaxckpt's own by
         default). A subclass is the seam to inject storage faults through (a failing save,
         a frozen deletion: `reliability/faults.py`) or to count what is read and written.

@@ -528,9 +528,9 @@ def test_bad_policy_values(make, pattern):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("lease", [0, -5, "60"])
+@pytest.mark.parametrize("lease", [0, -5, "60", 8 * 24 * 3600.0])  # (a week at most)
 def test_bad_writer_lease(ckpt_dir, lease):
-    with pytest.raises(errors.ConfigError, match=r"writer_lease_s must be a positive number"):
+    with pytest.raises(errors.ConfigError, match=r"writer_lease_s must be a number of seconds"):
         jaxckpt.CheckpointManager(ckpt_dir, writer_lease_s=lease)
     assert not ckpt_dir.exists()  # refused before anything was made
 
