@@ -42,7 +42,7 @@ from typing import Any
 import jax
 
 from jaxckpt import _layout
-from jaxckpt._tree import check_json
+from jaxckpt._checks import check_json
 from jaxckpt.errors import CorruptCheckpointError, DataStateError
 
 log = logging.getLogger("jaxckpt")

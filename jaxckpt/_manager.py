@@ -27,6 +27,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxckpt import _internals, _iterators, _layout, _listing, _local, _orbax
+from jaxckpt._checks import check_json, check_step, gc_paused
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import MAX_LEASE_S, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
@@ -36,13 +37,7 @@ from jaxckpt._reader import Checkpoint, Restored, Wanted
 from jaxckpt._storage import absolute
 from jaxckpt._store_errors import naming_the_store
 from jaxckpt._tiers import Tiers
-from jaxckpt._tree import (
-    check_json,
-    check_step,
-    flatten,
-    gc_paused,
-    node_types,
-)
+from jaxckpt._tree import flatten, node_types
 from jaxckpt.errors import (
     ConfigError,
     LockedError,

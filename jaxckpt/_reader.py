@@ -36,11 +36,12 @@ import jax
 from etils import epath
 
 from jaxckpt import _integrity, _iterators, _layout, _listing, _orbax, _orbax_steps, _spread
+from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
 from jaxckpt._spread import refusing
 from jaxckpt._store_errors import naming_the_store
-from jaxckpt._tree import ReadRequest, check_step, gc_paused
+from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     CorruptCheckpointError,
     DataStateError,

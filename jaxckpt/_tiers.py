@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxckpt import _iterators, _local, _transfer
+from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._reader import (
     Checkpoint,
     Restored,
@@ -31,7 +32,6 @@ from jaxckpt._reader import (
     read_trees,
 )
 from jaxckpt._spread import refusing
-from jaxckpt._tree import check_step, gc_paused
 
 log = logging.getLogger("jaxckpt")
 

@@ -7,20 +7,16 @@ arrays, each checkpoint records a :class:`LeafSpec` per leaf (path, shape, dtype
 which keeps Orbax's view of the tree flat and simple, and an :class:`EmptyNode` per node
 without children (optax's EmptyState, `{}`, None), which no leaf records. Typed PRNG keys
 are stored as their raw key data plus the impl name, and are wrapped back with the same impl
-on restore, so they round-trip bitwise with any impl. Also here: the checks of what `save` is
-given (step numbers, JSON meta) and the collector paused while it blocks.
+on restore, so they round-trip bitwise with any impl. The checks of what `save` is
+given are `jaxckpt._checks`'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import math
-import operator
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeGuard
 
 import jax
@@ -29,7 +25,6 @@ import tensorstore as ts
 from jax import tree_util
 
 from jaxckpt.errors import (
-    ConfigError,
     UnsupportedValueError,
 )
 
@@ -326,36 +321,6 @@ class ReadRequest:
 # Saving
 
 
-def check_step(step: Any) -> int:
-    """A step number as given: a non-negative int (ConfigError otherwise)."""
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise ConfigError(f"step must be an int, got {type(step).__name__} {step!r}") from None
-    if isinstance(step, bool) or value < 0:
-        raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    return value
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pauses Python's cyclic garbage collector while `save` blocks the training step, and
-    during a restore.
-
-    Orbax creates a few objects per shard; at thousands of leaves those allocations set off
-    collections that walk every live object of the process: ~45% of a 4,000-leaf save's
-    blocking time and ~30% of its restore (BENCHMARKS.md). Reference counting still frees
-    all else meanwhile (a restore's peak memory is unchanged).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def flatten(tree: Any, *, item: str) -> tuple[dict[str, Any], list[LeafSpec], list[EmptyNode]]:
     """Flattens `tree` into `{name: array}` ready to write, plus the specs to record and
     its nodes without children (the tree itself, when it is one, is not recorded: a save
@@ -483,72 +448,6 @@ def _layout(sharding: jax.sharding.Sharding) -> dict[str, Any]:
             "spec": [list(e) if isinstance(e, tuple) else e for e in sharding.spec],
         }
     return {"devices": len(sharding.device_set)}
-
-
-MAX_JSON_DEPTH = 200  # far below where Python's json (and most others) stop reading
-
-
-def check_json(value: Any, path: str = "meta") -> None:
-    """Raises UnsupportedValueError naming the first value that is not JSON, or that JSON
-    readers refuse: nesting deeper than MAX_JSON_DEPTH, integers too long to print.
-
-    NaN and infinities are kept (a NaN loss in `meta=` must not stop training): Python's
-    json writes and reads them as the tokens NaN, Infinity and -Infinity, which strict JSON
-    lacks; `strict_json` turns them into those strings for output that must be strict.
-    """
-    stack = [(value, path, 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise UnsupportedValueError(
-                f"{path} is nested more than {MAX_JSON_DEPTH} levels deep, which JSON readers "
-                "refuse; flatten it, or keep such data in a file of its own."
-            )
-        if isinstance(value, int) and value.bit_length() > 14_000:
-            try:
-                str(value)
-            except ValueError:  # over sys.get_int_max_str_digits()
-                raise UnsupportedValueError(
-                    f"{path} is an integer of more than {sys.get_int_max_str_digits()} digits, "
-                    "which Python's JSON cannot write or read; store it as a string."
-                ) from None
-        if value is None or isinstance(value, str | int | float):  # (bool is an int)
-            continue
-        items: Iterable[tuple[Any, Any]]
-        if isinstance(value, Mapping):
-            for k in value:
-                if not isinstance(k, str):
-                    raise UnsupportedValueError(
-                        f"{path} has the key {short(k)} of type {type(k).__name__}; JSON object "
-                        "keys must be strings. Convert the key with str()."
-                    )
-            items = value.items()
-        elif isinstance(value, list | tuple):
-            items = enumerate(value)
-        else:
-            raise UnsupportedValueError(
-                f"{path} is a {type(value).__module__}.{type(value).__qualname__} "
-                f"({short(value)}), which is not JSON. meta= takes dicts with string keys, "
-                "lists, strings, numbers, booleans and None; convert the value first (e.g. "
-                ".item() for a NumPy scalar, str() for a path, or keep arrays in state=)."
-            )
-        children = [(v, f"{path}[{k!r}]", depth + 1) for k, v in items]
-        stack.extend(reversed(children))  # the first bad value is the one reported
-
-
-_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def strict_json(value: Any) -> Any:
-    """`value` with NaN and infinities as the strings "NaN", "Infinity" and "-Infinity" (the
-    tokens Python's json writes for them), for documents that must be strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return _NON_FINITE[repr(value)]
-    if isinstance(value, Mapping):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    return value
 
 
 # --------------------------------------------------------------------------------------------

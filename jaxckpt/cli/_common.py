@@ -246,7 +246,7 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def print_json(doc: Any) -> None:
-    from jaxckpt._tree import strict_json  # a NaN in meta= is the string "NaN" here
+    from jaxckpt._checks import strict_json  # a NaN in meta= is the string "NaN" here
 
     click.echo(json.dumps(strict_json(doc), indent=1, allow_nan=False))
 
