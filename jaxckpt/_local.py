@@ -42,7 +42,7 @@ from typing import Any
 
 import jax
 
-from jaxckpt import _integrity, _internals, _layout, _packed, _peers, _transfer
+from jaxckpt import _integrity, _internals, _layout, _packed, _packed_read, _peers, _transfer
 from jaxckpt._peers import discard as _discard
 from jaxckpt._storage import absolute, is_remote, read_small
 from jaxckpt._tree import ReadRequest
@@ -450,9 +450,9 @@ class LocalStore:
         except ValueError as e:
             return str(e)
 
-    def _part(self, info: _layout.StepInfo) -> _packed.PackedStep:
+    def _part(self, info: _layout.StepInfo) -> _packed_read.PackedStep:
         folder = self.step_dir(info.step) / _layout.PACKED
-        return _packed.PackedStep(folder, jax.process_count(), parts=(jax.process_index(),))
+        return _packed_read.PackedStep(folder, jax.process_count(), parts=(jax.process_index(),))
 
 
 class _Copies:

@@ -29,6 +29,7 @@ from jaxckpt import (
     _orbax_items,
     _orbax_steps,
     _packed,
+    _packed_read,
     _sizes,
     _transfer,
 )
@@ -93,7 +94,7 @@ class OrbaxStore:
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
         # be saved again.
-        self._packed: dict[tuple[epath.Path, str | None], _packed.PackedStep] = {}
+        self._packed: dict[tuple[epath.Path, str | None], _packed_read.PackedStep] = {}
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
         self._restore_inflight_bytes = restore_inflight_bytes
@@ -430,7 +431,7 @@ class OrbaxStore:
             self.directory,
         )
 
-    def packed_step(self, info: _layout.StepInfo, item: str) -> _packed.PackedStep:
+    def packed_step(self, info: _layout.StepInfo, item: str) -> _packed_read.PackedStep:
         """The step's packed leaves, each process's index read once a step."""
         key = (info.folder(self.directory), info.saved_at)
         with (
@@ -440,7 +441,7 @@ class OrbaxStore:
             if key not in self._packed:
                 if len(self._packed) >= 4:  # the steps being read now, not every one read
                     self._packed.clear()
-                self._packed[key] = _packed.PackedStep(
+                self._packed[key] = _packed_read.PackedStep(
                     key[0] / _layout.PACKED, info.process_count or 1, opener=self.open_file
                 )
         return self._packed[key]

@@ -102,7 +102,7 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
         _packed.write(directory, _packed.to_host(args.items, _internals.device_buffers))
 
     def restore(self, directory: epath.Path, args: PackedRestore | None = None) -> None:
-        raise NotImplementedError("read through jaxckpt._packed.PackedStep")
+        raise NotImplementedError("read through jaxckpt._packed_read.PackedStep")
 
     def metadata(self, directory: epath.Path) -> None:
         return None

@@ -1,4 +1,5 @@
-"""Small leaves packed per process (format 2): the one owner of the packed files.
+"""Small leaves packed per process (format 2): the one owner of the packed files, and
+their writing (`jaxckpt._packed_read` reads them).
 
 Orbax and tensorstore write each leaf as an array of its own, and each array costs a few
 milliseconds to save and to restore whatever its size (BENCHMARKS.md, leaf-count sweep).
@@ -36,10 +37,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,21 +48,14 @@ import xxhash
 from etils import epath
 
 from jaxckpt._integrity import hasher
-from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
+from jaxckpt._layout import PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
-from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small, write_file
-from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
-from jaxckpt._tree import ReadRequest, dtype_name, is_count, is_counts
+from jaxckpt._storage import file_sizes, read_small, write_file
+from jaxckpt._tiling import bounds_of
+from jaxckpt._tree import dtype_name
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
-_FORMATS = (1, INDEX_FORMAT)
-_PIECE_FORMS = {1: "[offset, [[start, stop], ...]]", 2: "[offset, [[start, stop], ...], xxh3-64]"}
-_DIGEST = re.compile("[0-9a-f]{16}")  # XXH3-64, hex
-_MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
-# A restore reads packed leaves in batches of at most this many bytes (or its budget, if
-# smaller), each placed before the next is read: at most one batch's bytes wait on the host.
-READ_BATCH_BYTES = 64 * 2**20
 
 
 def is_small(value: Any) -> bool:
@@ -111,10 +103,10 @@ def _whole(chunk: Any) -> np.ndarray:
         return chunk
     shape, dtype, plan, shards = chunk
     parts = ((bounds, shard) for (_, bounds), shard in zip(plan, shards, strict=True))
-    return _filled(shape, dtype, parts)
+    return filled(shape, dtype, parts)
 
 
-def _filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> np.ndarray:
+def filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> np.ndarray:
     """An array of `shape` with each (bounds, values) part in its place (the rest unset)."""
     host = np.empty(shape, dtype)
     for bounds, values in parts:
@@ -303,296 +295,3 @@ def _write(
 
 def _bytes(chunk: Any) -> Any:
     return chunk if isinstance(chunk, bytes) else _whole(chunk).reshape(-1).view(np.uint8)
-
-
-# --- reading -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    process: int
-    offset: int
-    bounds: tuple[tuple[int, int], ...]
-    nbytes: int
-    digest: str | None  # XXH3-64 hex of its bytes (None: format 1)
-
-
-class PackedStep:
-    """The packed leaves of one step: every process's index, read and checked once.
-    ValueError (naming the file and what is wrong in it) for an index that is not what
-    jaxckpt writes, or that does not cover each leaf it lists."""
-
-    def __init__(
-        self,
-        folder: epath.Path,
-        processes: int,
-        parts: Sequence[int] | None = None,
-        opener: Callable[..., Any] = open_inside,
-    ):
-        """`parts`: the processes whose files are there (None: every process's). A folder of
-        some processes' parts (the local tier's) serves only what those parts hold: each
-        region a reader's devices need within one of their pieces (`holds`). `opener`:
-        how a file `(folder, name, size=)` is opened to read (`open_inside`; a store's own)."""
-        self.folder = folder
-        self._open = opener
-        self.processes = processes
-        self._partial = parts is not None
-        self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
-        self._sized: set[int] = set()  # the processes whose file was found that long
-        self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[Piece]]]] = {}
-        try:  # one listing: which files are there and how long (no request for each)
-            self._present = file_sizes(folder)
-        except FileNotFoundError:
-            self._present = {}
-        indexes = self._indexes(processes, parts)
-        for p, doc, where in indexes:
-            self._add(p, doc, where)
-        if not indexes:
-            raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
-
-    def _indexes(self, processes: int, parts: Sequence[int] | None) -> list[tuple]:
-        """Each process's index, with where it was: from the merged index (`merge`) when
-        every process's is wanted, it is there and it saves a read (a one-process step,
-        whose own index is there, never reads a stray one), one read whatever the process
-        count; else each from its own file (a process's missing: its leaves are found incomplete)."""
-        several = processes > 1 or packed_files(0, 1)[1] not in self._present
-        if parts is None and several and PACKED_INDEX in self._present:
-            doc = self._load(PACKED_INDEX)
-            ok = type(doc) is dict and doc.get("format") == INDEX_FORMAT
-            indexes = doc["indexes"] if ok and "indexes" in doc else None
-            if type(indexes) is not list or len(indexes) != processes:
-                raise ValueError(
-                    f"{PACKED}/{PACKED_INDEX} is not an index of {processes} processes' "
-                    "packed leaves"
-                )
-            where = f"{PACKED}/{PACKED_INDEX}: process"
-            return [(p, d, f"{where} {p}'s") for p, d in enumerate(indexes) if d is not None]
-        found = []
-        for p in range(processes) if parts is None else parts:
-            rel = packed_files(p, processes)[1]
-            if rel in self._present:
-                found.append((p, self._load(rel), f"{PACKED}/{rel}"))
-        return found
-
-    def _load(self, rel: str) -> Any:
-        try:
-            return json.loads(read_small(self.folder, rel, self._present[rel], opener=self._open))
-        except (OSError, ValueError, RecursionError) as e:
-            raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
-
-    def _add(self, process: int, doc: Any, where: str) -> None:
-        if not (
-            isinstance(doc, dict)
-            and doc.get("format") in _FORMATS
-            and is_count(doc.get("bytes"))
-            and isinstance(doc.get("leaves"), dict)
-        ):
-            raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
-        self._sizes[process] = doc["bytes"]
-        spans: list[tuple[int, int]] = []  # the bytes of each piece in the file
-        for item, leaves in doc["leaves"].items():
-            if not isinstance(leaves, dict):
-                raise ValueError(f"{where}: item {item!r} is not an object of leaves")
-            known = self._leaves.setdefault(item, {})
-            for name, entry in leaves.items():
-                dtype, shape, pieces = _entry(
-                    entry, process, doc["bytes"], doc["format"], f"{where}: {name!r}"
-                )
-                spans.extend((p.offset, p.nbytes) for p in pieces if p.nbytes)
-                if name in known:
-                    if known[name][:2] != (dtype, shape):
-                        raise ValueError(f"{where}: {name!r} differs from another process's")
-                    known[name][2].extend(pieces)
-                else:
-                    known[name] = (dtype, shape, pieces)
-        spans.sort()
-        for (start, nbytes), (after, _) in itertools.pairwise(spans):
-            if after < start + nbytes:  # one byte read as two elements: a leaf of copies
-                raise ValueError(f"{where}: two pieces overlap at byte {after} of the file")
-
-    def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
-        """The leaves `requests` names, on the host: each whole, or where this process's
-        devices need part of it, with that part filled (the rest is never to be read)."""
-        wanted = self.wanted(item, requests)
-        return self.assemble(
-            item, wanted, self.read_pieces(p for ps in wanted.values() for p in ps)
-        )
-
-    def assemble(
-        self, item: str, wanted: Mapping[str, list[Piece]], blobs: Mapping[Piece, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        """The leaves `wanted` names, on the host, from the bytes of their pieces."""
-        hosts = {}
-        for name, pieces in wanted.items():
-            dtype, shape, _ = self._leaves[item][name]
-            hosts[name] = _assemble(dtype, shape, pieces, blobs)
-        return hosts
-
-    def holds(self, item: str, requests: Mapping[str, ReadRequest]) -> str | None:
-        """Why these files cannot serve `requests` (None: they can), reading no leaf."""
-        try:
-            self.wanted(item, requests)
-        except (ValueError, OSError) as e:
-            return str(e)
-        return None
-
-    def wanted(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, list[Piece]]:
-        """The pieces to read for each requested leaf; ValueError if they cannot fill it."""
-        leaves = self._leaves.get(item, {})
-        wanted: dict[str, list[Piece]] = {}
-        files: set[int] = set()
-        for name, request in requests.items():
-            if name not in leaves:
-                raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
-            dtype, shape, pieces = leaves[name]
-            if shape != tuple(request.shape) or dtype != request.dtype:
-                raise ValueError(
-                    f"{item} leaf {name!r} is stored with shape {shape} and dtype {dtype}, "
-                    f"but {INFO_PATH} records shape {tuple(request.shape)} and dtype "
-                    f"{request.dtype}"
-                )
-            regions = regions_of(request, shape)
-            if self._partial and regions is not None:
-                check_held(item, name, pieces, regions)
-            else:
-                check_tiling(item, name, shape, pieces)
-            wanted[name] = [p for p in pieces if regions is None or overlaps(p, regions)]
-            files.update(p.process for p in pieces)  # a leaf is allocated whole: all of them
-        self._check_sizes(files - self._sized)
-        return wanted
-
-    def _check_sizes(self, processes: Iterable[int]) -> None:
-        """Each of these processes' files must hold the bytes its index claims (its size as
-        listed, ValueError otherwise; a file shorter when read is caught by that read): then
-        no piece reaches past the file's end, and a leaf's pieces, sharing no byte, hold at
-        most its bytes."""
-        for process in sorted(processes):
-            rel = packed_files(process, self.processes)[0]
-            real = self._present.get(rel)
-            if real is None:
-                raise ValueError(f"{PACKED}/{rel} is missing")
-            if real < self._sizes[process]:
-                raise ValueError(
-                    f"{PACKED}/{rel} holds {real} bytes, fewer than the "
-                    f"{self._sizes[process]} its index places pieces in"
-                )
-            self._sized.add(process)
-
-    def read_pieces(self, pieces: Iterable[Piece]) -> dict[Piece, np.ndarray]:
-        """The bytes of each piece. On object storage in as few requests as their offsets
-        allow: a run of pieces less than _MERGE_GAP apart in one process's file is one, the
-        pieces views of its bytes. On local disk each piece is read into memory of its own:
-        a batch's one buffer was new memory from the kernel at each restore, faulted in page
-        by page as it was read (0.15-0.2 s for 64 MiB on these VMs, the read 0.02 s)."""
-        by_process: dict[int, list[Piece]] = {}
-        for p in pieces:
-            by_process.setdefault(p.process, []).append(p)
-        out: dict[Piece, np.ndarray] = {}
-        merge = is_remote(self.folder)
-        for process, found in by_process.items():
-            found.sort(key=lambda p: p.offset)
-            runs: list[list[Piece]] = [[found[0]]]
-            wanted = found[0].nbytes  # of the last run
-            for p in found[1:]:
-                run_start, last = runs[-1][0].offset, runs[-1][-1]
-                span = p.offset + p.nbytes - run_start
-                # merged only across small gaps, reading at most as much unwanted as wanted
-                gap = p.offset - (last.offset + last.nbytes)
-                if merge and gap < _MERGE_GAP and span <= 2 * (wanted + p.nbytes):
-                    runs[-1].append(p)
-                    wanted += p.nbytes
-                else:
-                    runs.append([p])
-                    wanted = p.nbytes
-            rel = packed_files(process, self.processes)[0]
-            with self._open(self.folder, rel, size=self._present.get(rel)) as f:
-                for run in runs:
-                    start = run[0].offset
-                    stop = max(p.offset + p.nbytes for p in run)
-                    f.seek(start)
-                    # writable (a host leaf may be its view), and not zeroed first
-                    view = np.empty(stop - start, np.uint8)
-                    got = f.readinto(view.data)
-                    if got != stop - start:
-                        raise ValueError(
-                            f"{PACKED}/{rel} ends at byte {start + got}, before the "
-                            f"pieces its index places up to byte {stop}"
-                        )
-                    for p in run:
-                        out[p] = view[p.offset - start : p.offset - start + p.nbytes]
-                        if p.digest and xxhash.xxh3_64_hexdigest(out[p].data) != p.digest:
-                            raise ValueError(
-                                f"{PACKED}/{rel}: the {p.nbytes} bytes at byte {p.offset} do "
-                                "not match their checksum in the index (the file is damaged)"
-                            )
-        return out
-
-
-def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tuple:
-    shape = entry.get("shape") if type(entry) is dict else None
-    pieces = entry.get("pieces") if type(entry) is dict else None
-    if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
-        raise ValueError(f"{where} is not a packed leaf's entry")
-    dtype = _dtype(entry["dtype"])
-    if dtype is None:
-        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype")
-    shape = tuple(shape)
-    out = []
-    for piece in pieces:
-        digest = None
-        if version > 1:  # [offset, bounds, digest]: the digest apart
-            digest = piece[2] if type(piece) is list and len(piece) == 3 else None
-            piece = piece[:2] if type(digest) is str and _DIGEST.fullmatch(digest) else None
-        bounds = _piece_bounds(piece, shape)
-        if bounds is None:
-            raise ValueError(f"{where}: a piece is not {_PIECE_FORMS[version]} within shape")
-        offset = piece[0]
-        nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
-        if offset + nbytes > size:
-            raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        out.append(Piece(process, offset, bounds, nbytes, digest))
-    return dtype, shape, out
-
-
-def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:
-    """A piece's bounds, if it is `[offset, [[start, stop], ...]]` within `shape`."""
-    if type(piece) is not list or len(piece) != 2:
-        return None
-    offset, bounds = piece
-    if type(offset) is not int or offset < 0 or type(bounds) is not list:
-        return None
-    if len(bounds) != len(shape):
-        return None
-    out = []
-    for pair, n in zip(bounds, shape, strict=True):
-        if type(pair) is not list or len(pair) != 2:
-            return None
-        a, b = pair
-        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
-            return None
-        out.append((a, b))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=64)
-def _dtype(name: str) -> np.dtype | None:
-    try:
-        return np.dtype(jax.numpy.dtype(name))
-    except TypeError:
-        return None
-
-
-def _assemble(
-    dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece], blobs: Mapping
-) -> np.ndarray:
-    """The leaf on the host from its pieces (where a process needs part of a leaf, only
-    that part is filled: the rest is never placed)."""
-    if len(pieces) == 1 and all(
-        b - a == n for (a, b), n in zip(pieces[0].bounds, shape, strict=True)
-    ):
-        return blobs[pieces[0]].view(dtype).reshape(shape)
-    return _filled(
-        shape,
-        dtype,
-        ((p.bounds, blobs[p].view(dtype).reshape([b - a for a, b in p.bounds])) for p in pieces),
-    )

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _orbax, _packed, _transfer
+from jaxckpt import _orbax, _packed_read, _transfer
 from jaxckpt._layout import StepInfo
 from jaxckpt._plan import holders, read_batches
 from jaxckpt._transfer import place
@@ -75,7 +75,7 @@ def read_arrays(
             _transfer.corrupt_if_not_jaxckpts(step, where),
         ):
             steps = _agreed(lambda: store.packed_step(info, item))
-            for batch in read_batches(wide, min(budget, _packed.READ_BATCH_BYTES)):
+            for batch in read_batches(wide, min(budget, _packed_read.READ_BATCH_BYTES)):
                 out.update(_broadcast(steps, item, {n: wide[n] for n in batch}))
     return out
 
@@ -164,7 +164,7 @@ def _shared(request: ReadRequest) -> bool:
 
 
 def _broadcast(
-    packed: _packed.PackedStep, item: str, batch: Mapping[str, ReadRequest]
+    packed: _packed_read.PackedStep, item: str, batch: Mapping[str, ReadRequest]
 ) -> dict[str, Any]:
     """Packed leaves that several processes need: the pieces of the file process i wrote
     are read by process i (mod the processes now), in runs, as one process reads them; the
@@ -173,7 +173,7 @@ def _broadcast(
     whole = {n: dataclasses.replace(r, sharding=None) for n, r in batch.items()}
     wanted = _agreed(lambda: packed.wanted(item, whole))
     pieces = [p for ps in wanted.values() for p in ps]
-    share: list[list[_packed.Piece]] = [[] for _ in range(processes)]
+    share: list[list[_packed_read.Piece]] = [[] for _ in range(processes)]
     for p in pieces:
         share[p.process % processes].append(p)
     got = _agreed(lambda: packed.read_pieces(share[me]))

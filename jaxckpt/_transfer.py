@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt import _packed
+from jaxckpt import _packed_read
 from jaxckpt._internals import put_batched
 from jaxckpt._layout import INFO_PATH, StepInfo
 from jaxckpt._plan import read_batches
@@ -54,21 +54,21 @@ def first_line(error: BaseException) -> str:
 
 
 def read_packed(
-    packed: _packed.PackedStep,
+    packed: _packed_read.PackedStep,
     info: StepInfo,
     item: str,
     requests: Mapping[str, ReadRequest],
     budget: int,
     directory: epath.Path,
 ) -> dict[str, Any]:
-    """Packed leaves read and placed in batches (of at most `_packed.READ_BATCH_BYTES`, or
+    """Packed leaves read and placed in batches (of at most `_packed_read.READ_BATCH_BYTES`, or
     `budget`): a file that is not what jaxckpt writes is a CorruptCheckpointError, another
     failure (of the storage itself) a RestoreError, never "corrupt", which fallback=True
     would pass over for an older step. Zero-size leaves are made, never read."""
     out = {name: empty(r) for name, r in requests.items() if 0 in r.shape}
     requests = {name: r for name, r in requests.items() if name not in out}
     with read_errors(info.step, item, directory):
-        for batch in read_batches(requests, min(budget, _packed.READ_BATCH_BYTES)):
+        for batch in read_batches(requests, min(budget, _packed_read.READ_BATCH_BYTES)):
             with corrupt_if_not_jaxckpts(info.step, directory):
                 hosts = packed.read(item, {n: requests[n] for n in batch})
             out.update(place(hosts, requests))
