@@ -381,13 +381,9 @@ def _malformed_lease(fields, n=0):
     return json.dumps({**holder, "lease_s": 2.0, "id": "f" * 32, **fields, "writes": n}).encode()
 
 
-@pytest.mark.timeout(120)  # (Infinity waited for ever)
-@pytest.mark.parametrize("fields", MALFORMED_LEASES.values(), ids=MALFORMED_LEASES.keys())
-def test_an_unrenewed_lease_with_a_malformed_field_is_taken_over_after_the_writers_term(
-    bucket_dir, fields, caplog
-):
-    lease = epath.Path(bucket_dir) / ".jaxckpt-writer.lock"
-    lease.write_bytes(_malformed_lease(fields))
+def _taken_over_after_the_writers_term(bucket_dir, lease, caplog):
+    """A writer with a 0.5 s term starts on `lease` left alone: it takes it over (its own
+    pid in the lease, the takeover logged) and saves."""
     with (
         caplog.at_level(logging.WARNING, logger="jaxckpt"),
         jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=0.5) as m,
@@ -395,6 +391,16 @@ def test_an_unrenewed_lease_with_a_malformed_field_is_taken_over_after_the_write
         assert json.loads(lease.read_bytes())["pid"] == os.getpid()
         m.save(1, state={"x": np.zeros(4, np.float32)})
     assert "took over the writer lease of" in caplog.text
+
+
+@pytest.mark.timeout(120)  # (Infinity waited for ever)
+@pytest.mark.parametrize("fields", MALFORMED_LEASES.values(), ids=MALFORMED_LEASES.keys())
+def test_an_unrenewed_lease_with_a_malformed_field_is_taken_over_after_the_writers_term(
+    bucket_dir, fields, caplog
+):
+    lease = epath.Path(bucket_dir) / ".jaxckpt-writer.lock"
+    lease.write_bytes(_malformed_lease(fields))
+    _taken_over_after_the_writers_term(bucket_dir, lease, caplog)
     assert jaxckpt.CheckpointManager(bucket_dir, read_only=True).all_steps() == [1]
 
 
@@ -431,12 +437,6 @@ def test_a_swollen_lease_is_read_no_further_than_a_lease_can_be(bucket_dir, capl
     lease.write_bytes(b"[" * (8 * 2**20))
     got = _leases.lease_object(str(lease)).fetch()
     assert got is not None and len(got) == _leases.MAX_LEASE_BYTES + 1
-    with (
-        caplog.at_level(logging.WARNING, logger="jaxckpt"),
-        jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=0.5) as m,
-    ):
-        assert json.loads(lease.read_bytes())["pid"] == os.getpid()
-        m.save(1, state={"x": np.zeros(4, np.float32)})
-    assert "took over the writer lease of" in caplog.text
+    _taken_over_after_the_writers_term(bucket_dir, lease, caplog)
     lease.write_bytes(b"")
     assert _leases.lease_object(str(lease)).fetch() == b""
