@@ -15,7 +15,6 @@ from jaxckpt._policy import RetentionPolicy as RetentionPolicy
 from jaxckpt._policy import SavePolicy as SavePolicy
 from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
 from jaxckpt._reader import Checkpoint as Checkpoint
-from jaxckpt._reader import Restored as Restored
 from jaxckpt._reader import open as open
 from jaxckpt._reader import verify as verify
 from jaxckpt._targets import target_from_flax as target_from_flax
@@ -23,6 +22,7 @@ from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
 from jaxckpt._to_orbax import export_orbax as export_orbax
 from jaxckpt._tree import leaf_name as leaf_name
+from jaxckpt._trees import Restored as Restored
 from jaxckpt.hf import ExportResult as ExportResult
 from jaxckpt.hf import NameMap as NameMap
 from jaxckpt.hf import export_safetensors as export_safetensors

@@ -33,11 +33,12 @@ from jaxckpt._lock import MAX_LEASE_S, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
-from jaxckpt._reader import Checkpoint, Restored, Wanted
+from jaxckpt._reader import Checkpoint
 from jaxckpt._storage import absolute
 from jaxckpt._store_errors import naming_the_store
 from jaxckpt._tiers import Tiers
 from jaxckpt._tree import flatten, node_types
+from jaxckpt._trees import Restored, Wanted
 from jaxckpt.errors import (
     ConfigError,
     LockedError,

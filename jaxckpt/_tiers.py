@@ -6,7 +6,7 @@ every process can restore the step from its own part, else the persistent direct
                                unless the persistent tier has a newer one
       _fetch_if_lost           a process lacking its part fetches it from a peer's copy
       _local_problem           each checks its part holds what the target needs; all agree
-      _reader.read_trees       then the step is read, each process from its own directory
+      _trees.read_trees        then the step is read, each process from its own directory
       Checkpoint.read          or, if none serves, the persistent tier
 
 A `CheckpointManager` with no local tier reads through `Checkpoint.read` alone.
@@ -23,15 +23,9 @@ from jax.experimental import multihost_utils
 
 from jaxckpt import _iterators, _local, _transfer
 from jaxckpt._checks import check_step, gc_paused
-from jaxckpt._reader import (
-    Checkpoint,
-    Restored,
-    Wanted,
-    items,
-    plan_item,
-    read_trees,
-)
+from jaxckpt._reader import Checkpoint
 from jaxckpt._spread import refusing
+from jaxckpt._trees import Restored, Wanted, items, plan_item, read_trees
 
 log = logging.getLogger("jaxckpt")
 
