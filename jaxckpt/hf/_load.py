@@ -20,7 +20,7 @@ import numpy as np
 from etils import epath
 from jax import tree_util
 
-from jaxckpt._storage import absolute, is_remote, read_whole
+from jaxckpt._storage import SizeError, absolute, is_remote, read_whole
 from jaxckpt._tree import leaf_name
 from jaxckpt.errors import (
     FormatError,
@@ -189,10 +189,12 @@ def _shard_name(index: Path | epath.Path, tensor: str, file: str) -> str:
 def _read_index(index: Path | epath.Path) -> dict[str, str]:
     """The weight_map of an HF index, its types checked."""
     with st.open_regular(index) as (f, size, _):
-        if size > MAX_INDEX:
-            raise FormatError(f"{index} has {size} bytes, too many for an index (at most 100 MB)")
         try:
             raw = read_whole(f, size, limit=MAX_INDEX)
+        except SizeError:
+            raise FormatError(
+                f"{index} has {size} bytes, too many for an index (at most 100 MB)"
+            ) from None
         except OSError as e:
             raise FormatError(f"cannot read {index}: {e.strerror or e}") from None
     data = st.parse_json(raw, str(index))
