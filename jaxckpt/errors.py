@@ -106,6 +106,27 @@ class OutputExistsError(JaxckptError, FileExistsError):
     """The output directory exists and is not empty; nothing was written to it."""
 
 
+class ProcessesMissingError(JaxckptError, TimeoutError):
+    """Processes of a multi-process job did not reach an agreement (a save, a restore, the
+    preemption agreement) by its deadline: stopped, dead or far slower. Raised on every
+    process still waiting; `missing_processes` names the others (empty where JAX's
+    coordination service did not say), `what` the agreement, `waited_s` the deadline."""
+
+    def __init__(self, what: str, missing: Sequence[int], waited_s: float, setting: str):
+        self.what = what
+        self.missing_processes = list(missing)
+        self.waited_s = waited_s
+        who = ", ".join(map(str, self.missing_processes)) or "some process (unnamed)"
+        super().__init__(
+            f"process(es) {who} did not reach {what} within {waited_s:g} s ({setting}): "
+            "stopped, dead or far slower than this one. Committed steps are intact; restart "
+            f"the job, or raise {setting} if they are only slow."
+        )
+
+    def __str__(self) -> str:  # OSError's own would do, but say so rather than rely on it
+        return str(self.args[0])
+
+
 class SaveError(JaxckptError, RuntimeError):
     """A save failed: at once, or in the background (then raised by the next `save`, `wait`
     or `close`). Steps committed before it are intact.
