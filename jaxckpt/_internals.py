@@ -200,6 +200,34 @@ def take(prefix: str) -> list[str]:
     return [value for _, value in found]
 
 
+def published(prefix: str) -> dict[str, str]:
+    """The keys set below `prefix/` in the job's key-value store, and their values."""
+    return dict(_coordination().key_value_dir_get(prefix + "/"))
+
+
+def wait_for(key: str, timeout_ms: int) -> str | None:
+    """`key`'s value in the job's key-value store, once set; None if it is not set within
+    `timeout_ms` (JAX's DEADLINE_EXCEEDED)."""
+    try:
+        return str(_coordination().blocking_key_value_get(key, max(int(timeout_ms), 1)))
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
+
+
+def delete(key: str) -> None:
+    """Deletes `key` (and the keys below `key/`) from the job's key-value store."""
+    _coordination().key_value_delete(key)
+
+
+def barrier(name: str, timeout_ms: int) -> None:
+    """Waits until every process of the job reached the barrier `name` (each name once in a
+    job), at most `timeout_ms`: then raises JAX's error, which `missing_processes` reads.
+    A process that arrives at a barrier that already timed out gets the error at once."""
+    _coordination().wait_at_barrier(name, max(int(timeout_ms), 1))
+
+
 # What `count_collectives` counts: the collectives of JAX's multihost_utils (jaxckpt's and
 # Orbax's, found as module attributes at each call) and the calls on the job's client of
 # JAX's coordination service (Orbax's barriers, its key-value signals, jaxckpt's digests).
