@@ -165,15 +165,21 @@ def on_writes_done(callback: Callable[[], None]) -> Iterator[None]:
 WRITE_BARRIER = "async_write_complete"
 
 
-def barrier_after_writes(hook: Callable[[], None]) -> Callable[..., None]:
+def barrier_after_writes(
+    hook: Callable[[], None], limit_ms: Callable[[], int | None]
+) -> Callable[..., None]:
     """A `barrier_sync_fn` for Orbax's async options: Orbax's own barrier between the job's
     processes (`ocp.multihost.get_barrier_sync_fn`), calling `hook()` first at the barrier
-    of a save whose writes are done (`WRITE_BARRIER`), on every process. Orbax meets it only
-    in a job of several processes."""
+    of a save whose writes are done (`WRITE_BARRIER`), on every process. Each waits at most
+    `limit_ms()` (None: Orbax's timeout), what is left of the save's deadline: Orbax gives
+    each barrier the whole timeout, so that two in a row, after a process stopped, waited
+    twice as long. Orbax meets it only in a job of several processes."""
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         if WRITE_BARRIER in key:
             hook()
+        limit = limit_ms()
+        timeout_ms = timeout_ms if limit is None else min(timeout_ms, limit)
         ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=timeout_ms)
 
     return barrier

@@ -26,7 +26,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxckpt import _internals, _iterators, _layout, _listing, _local, _orbax
+from jaxckpt import _agree, _internals, _iterators, _layout, _listing, _local, _orbax
 from jaxckpt._checks import check_json, check_step, gc_paused
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import MAX_LEASE_S, writer_lock
@@ -59,7 +59,10 @@ class CheckpointManager:
       retention: which committed steps to keep; the others are deleted after each commit.
       preemption: how a preemption notice (SIGTERM by default) makes `should_save` true.
       clock: seconds as a float, for the time-based policy (injected in tests).
-      timeout_s: how long a background save may take, barriers between processes included.
+      timeout_s: in a job of several processes, how long any call waits for the others, in
+        all: a save from its start to its commit, a restore, opening the manager. When it
+        passes, every process still waiting raises a named error: `SaveError` (for a
+        save), `ProcessesMissingError`, naming those that did not come (see Deadlines).
       restore_inflight_bytes: a restore reads its leaves in batches of at most this many
         bytes per process (or one larger leaf), which bounds its host staging memory (see
         `plan`). None: a quarter of the host's memory (of the smallest host's, in a
@@ -101,7 +104,7 @@ class CheckpointManager:
         retention: RetentionPolicy = RetentionPolicy(),
         preemption: PreemptionPolicy = PreemptionPolicy(),
         clock: Callable[[], float] = time.monotonic,
-        timeout_s: int = 1200,
+        timeout_s: float = 1200,
         restore_inflight_bytes: int | None = None,
         compression: str | None = None,
         pack_small_leaves: bool = True,
@@ -118,8 +121,10 @@ class CheckpointManager:
             raise ConfigError(f"retention must be a jaxckpt.RetentionPolicy, got {retention!r}")
         if not isinstance(preemption, PreemptionPolicy):
             raise ConfigError(f"preemption must be a jaxckpt.PreemptionPolicy, got {preemption!r}")
+        timeout_s = _agree.check_timeout(timeout_s)
         if restore_inflight_bytes is None:
-            restore_inflight_bytes = auto_inflight_bytes()
+            with _agree.deadline("the opening of the manager", timeout_s):
+                restore_inflight_bytes = auto_inflight_bytes()
         elif restore_inflight_bytes <= 0:
             raise ConfigError(
                 f"restore_inflight_bytes must be positive, got {restore_inflight_bytes}"
@@ -165,14 +170,15 @@ class CheckpointManager:
                 pack=bool(pack_small_leaves) and compression is None,
             )
             undo.callback(self._store.close)
-            # its listener for copies, made by every process at once (a collective)
-            self._local = (
-                local_store(
-                    local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
+            # its listener for copies, made by every process at once (agreed by all)
+            with _agree.deadline("the opening of the manager", timeout_s):
+                self._local = (
+                    local_store(
+                        local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
+                    )
+                    if local
+                    else None
                 )
-                if local
-                else None
-            )
             undo.pop_all()
         self._reader = Checkpoint(
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes
@@ -210,7 +216,8 @@ class CheckpointManager:
         no one can read (a foreign or damaged folder) are logged as warnings, each once;
         where there is nothing else, the warning says that a resume from here starts over.
         """
-        return self._tiers.latest()
+        with _agree.deadline("the agreement on the latest step", self._store.timeout_s):
+            return self._tiers.latest()
 
     @property
     def preempted(self) -> bool:
@@ -442,7 +449,9 @@ class CheckpointManager:
         """
         self.wait()  # a process always sees its own saves, local ones too
         wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
-        restored = self._tiers.restore(step, wanted, fallback)
+        what = "the restore of " + ("the latest step" if step is None else f"step {step}")
+        with _agree.deadline(what, self._store.timeout_s):
+            restored = self._tiers.restore(step, wanted, fallback)
         if self._local is not None and not self._read_only:
             # The run goes on from here: newer local steps are of a timeline that does not.
             self._local.prune_after(restored.step)
@@ -503,7 +512,7 @@ class CheckpointManager:
         """The SaveError for `step`, worded from the directory once nothing of the step is
         still running: Orbax may fail in the foreground after it started the step's commit
         in the background (a barrier with a dead process), and that commit can still land."""
-        missing = _internals.missing_processes(error)
+        missing = getattr(error, "missing_processes", None) or _internals.missing_processes(error)
         if not background:
             try:
                 self._store.wait()  # bounded: each barrier in it times out after timeout_s

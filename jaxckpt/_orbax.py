@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import xxhash
 from etils import epath
 
 from jaxckpt import (
+    _agree,
     _integrity,
     _internals,
     _layout,
@@ -40,6 +42,7 @@ from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
+    LockedError,
     NoCheckpointError,
 )
 
@@ -74,7 +77,7 @@ class OrbaxStore:
         self,
         directory: str | epath.PathLike,
         *,
-        timeout_s: int = 1200,
+        timeout_s: float = 1200,
         restore_inflight_bytes: int = 2**30,
         compression: str | None = None,
         read_only: bool = False,
@@ -85,6 +88,8 @@ class OrbaxStore:
         commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
         packed (format 2); False writes each as an Orbax array of its own."""
         self.directory = epath.Path(absolute(directory))
+        self.timeout_s = _agree.check_timeout(timeout_s)
+        self._save_deadline: _agree.Deadline | None = None  # of the save in flight
         small_file_limit()  # a bad JAXCKPT_MAX_METADATA_BYTES named here, not by a read
         self._lock = lock
         self._saving: int | None = None
@@ -134,11 +139,13 @@ class OrbaxStore:
             # jaxckpt removes unfinished saves' leftovers itself (below), in its deleter.
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
-                timeout_secs=timeout_s,
+                timeout_secs=math.ceil(self.timeout_s),
                 post_finalization_callback=None if read_only else self._finalized,
                 # In a job of several processes, each hashes the files it wrote before
                 # the barrier that precedes the commit (`_hash_own_files`).
-                barrier_sync_fn=_internals.barrier_after_writes(self._hash_own_files),
+                barrier_sync_fn=_internals.barrier_after_writes(
+                    self._hash_own_files, self._remaining_ms
+                ),
                 # The step's folders are made in the background (Orbax's default: made in
                 # save() they doubled its blocking time), a failed creation waking every
                 # writer waiting for them (`_internals.wake_on_failed_creation`).
@@ -274,12 +281,18 @@ class OrbaxStore:
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.
         A failure at 2-4 is raised by `wait` (as the background error it is).
+
+        Every process waits for the others at most `timeout_s` from here to the commit, in
+        all: first all agree to start (ProcessesMissingError naming those that did not
+        come: Orbax's own first barriers cannot time out), then each of Orbax's barriers
+        waits for what is left of it.
         """
-        if self._lock is not None:
-            self._lock.check()
+        step = info.step
+        with _agree.deadline(f"the save of step {step}", self.timeout_s) as deadline:
+            self._agree_to_save(step)
+        self._save_deadline = deadline
         args: dict[str, Any] = {}
         small: dict[str, dict[str, Any]] = {}
-        step = info.step
         for item in _layout.ITEMS:
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             leaves = {name: a for name, a in arrays.get(item, {}).items() if a.size}
@@ -301,6 +314,29 @@ class OrbaxStore:
         self._packed_handler.written = {}  # (a step without small leaves calls it not)
         with _internals.writers_held():  # the background starts once this returns
             self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def _agree_to_save(self, step: int) -> None:
+        """Step 1 of the commit protocol (`save`): the writer's lock asked (by process 0,
+        which holds it), and every process agreed to start, or none starts."""
+        lost = None
+        if self._lock is not None:
+            try:
+                self._lock.check()
+            except Exception as e:  # LockedError, or the lease's store failing
+                lost = e
+        refused = _agree.refusing(None if lost is None else type(lost).__name__)
+        if lost is not None:
+            raise lost
+        if refused:
+            raise LockedError(
+                f"process(es) {refused} could not confirm the writer lock of {self.directory}"
+                f" (their errors say why): step {step} was not started; committed steps are"
+                " intact"
+            )
+
+    def _remaining_ms(self) -> int | None:
+        """What is left of the save's deadline, in ms, for Orbax's barriers (None: none)."""
+        return None if self._save_deadline is None else self._save_deadline.remaining_ms()
 
     def _saving_folder(self, step: int) -> epath.Path:
         tmp = self.directory / f"{step}{_layout.TMP_SUFFIX}"
@@ -485,8 +521,8 @@ class OrbaxStore:
                 doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
                 self.step_dir(step).rename(doomed)
                 self._deleter.submit(self.remove, doomed)
-        if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"jaxckpt:deleted:{step}")
+        with _agree.deadline(f"the deletion of step {step}", self.timeout_s):
+            _agree.barrier()
         self._mngr.reload()
 
     def close(self) -> None:

@@ -60,11 +60,9 @@ from collections.abc import Callable, Iterator, Set
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import xxhash
-from jax.experimental import multihost_utils
 
-from jaxckpt import _integrity, _layout
+from jaxckpt import _agree, _integrity, _layout
 from jaxckpt._storage import open_inside
 
 log = logging.getLogger("jaxckpt")
@@ -454,16 +452,13 @@ def fsync_folder(path: Path) -> None:
 
 
 def _exchange(mine: str) -> list[Address]:
-    """Every process's "address port key machine" (a collective)."""
+    """Every process's "address port key machine" (agreed by all, `_agree.gather`)."""
     raw = mine.encode()
     if len(raw) > _ADDRESS_BYTES:
         raise PeerError(f"the address {mine!r} is too long")
-    padded = np.zeros(_ADDRESS_BYTES, np.uint8)
-    padded[: len(raw)] = np.frombuffer(raw, np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, _ADDRESS_BYTES)
     out = []
-    for row in every:
-        host, port, key, machine = bytes(row).rstrip(b"\0").decode().split(" ", 3)
+    for row in _agree.gather(mine):
+        host, port, key, machine = row.split(" ", 3)
         out.append(Address(host, int(port), bytes.fromhex(key), machine))
     return out
 

@@ -15,9 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
+from jaxckpt import _agree
 from jaxckpt._tree import ReadRequest
 
 ProcessOf = Callable[[jax.Device], int]
@@ -157,7 +156,7 @@ def auto_inflight_bytes() -> int:
         total = 4 * 2**30
     mib = max(128, total // 4 // 2**20)
     if jax.process_count() > 1:
-        mib = int(np.min(multihost_utils.process_allgather(np.int32(mib))))
+        mib = min(int(found) for found in _agree.gather(str(mib)))
     return mib * 2**20
 
 

@@ -36,11 +36,11 @@ from typing import Any, Protocol
 import jax
 from etils import epath
 
-from jaxckpt import _integrity, _iterators, _layout, _listing, _orbax, _orbax_steps, _spread
+from jaxckpt import _agree, _integrity, _iterators, _layout, _listing, _orbax, _orbax_steps, _spread
+from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
-from jaxckpt._spread import refusing
 from jaxckpt._store_errors import naming_the_store
 from jaxckpt._tree import ReadRequest
 from jaxckpt._trees import Restored, Wanted, check_data, read_trees
@@ -90,6 +90,7 @@ def open(
     *,
     verify: bool = True,
     restore_inflight_bytes: int | None = None,
+    timeout_s: float = _agree.DEFAULT_TIMEOUT_S,
 ) -> Checkpoint:
     """Opens a checkpoint directory to read: jaxckpt's, or one plain Orbax or Flax wrote.
 
@@ -108,9 +109,15 @@ def open(
       verify: check each step's files against its manifest as it is read.
       restore_inflight_bytes: read leaves in batches of at most this many bytes per
         process (None: a quarter of the host's memory).
+      timeout_s: in a job of several processes, how long one read waits for the others,
+        in all (ProcessesMissingError naming those that did not come).
     """
-    budget = restore_inflight_bytes or auto_inflight_bytes()
-    store = _orbax.OrbaxStore(directory, read_only=True, restore_inflight_bytes=budget)
+    timeout_s = _agree.check_timeout(timeout_s)
+    with _agree.deadline("opening the checkpoint", timeout_s):
+        budget = restore_inflight_bytes or auto_inflight_bytes()
+    store = _orbax.OrbaxStore(
+        directory, read_only=True, restore_inflight_bytes=budget, timeout_s=timeout_s
+    )
     return Checkpoint(store, verify=verify, restore_inflight_bytes=budget, owned=True)
 
 
@@ -266,6 +273,11 @@ class Checkpoint:
 
     def read_wanted(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
         """`read`, its arguments as one `Wanted`."""
+        what = "the restore of " + ("the latest step" if step is None else f"step {step}")
+        with _agree.deadline(what, self._store.timeout_s):
+            return self._read_tries(step, wanted, fallback)
+
+    def _read_tries(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
         for _ in range(3):  # the step chosen was deleted meanwhile: choose again
             try:
                 return self._read_newest(step, wanted, fallback)

@@ -14,8 +14,9 @@ parallelism, the slice axis of a multi-slice job) would otherwise be read by eac
   i's file are read by process i (its own writes, in runs), a batch at a time, and the
   batch's bytes all-gathered as one array of bytes; every process assembles the leaves.
 
-Every stage agrees first on whether each process's read succeeded (a collective), so that
-no process waits in a gather for one that failed: all raise, the failed one its own error.
+Every stage agrees first on whether each process's read succeeded (`_agree.refusing`,
+bounded by the restore's deadline), so that no process waits in a gather for one that
+failed: all raise, the failed one its own error.
 The bytes in flight stay within a batch (`_plan.read_batches`) beside the restored arrays.
 """
 
@@ -34,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxckpt import _orbax, _packed_read, _transfer
+from jaxckpt._agree import refusing
 from jaxckpt._layout import StepInfo
 from jaxckpt._plan import holders, read_batches
 from jaxckpt._transfer import place
@@ -78,15 +80,6 @@ def read_arrays(
             for batch in read_batches(wide, min(budget, _packed_read.READ_BATCH_BYTES)):
                 out.update(_broadcast(steps, item, {n: wide[n] for n in batch}))
     return out
-
-
-def refusing(problem: str | None) -> list[int]:
-    """The processes that found a problem (this one's given), agreed by all (a collective
-    in a multi-process job: every process calls it in turn)."""
-    if jax.process_count() == 1:
-        return [] if problem is None else [0]
-    flags = multihost_utils.process_allgather(np.int32(problem is not None))
-    return [i for i, f in enumerate(np.ravel(flags)) if f]
 
 
 def _agreed(attempt: Callable[[], T]) -> T:

@@ -15,16 +15,15 @@ A `CheckpointManager` with no local tier reads through `Checkpoint.read` alone.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from jaxckpt import _iterators, _local, _transfer
+from jaxckpt import _agree, _iterators, _local, _transfer
+from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._reader import Checkpoint
-from jaxckpt._spread import refusing
 from jaxckpt._trees import Restored, Wanted, items, plan_item, read_trees
 
 log = logging.getLogger("jaxckpt")
@@ -135,25 +134,16 @@ class Tiers:
 
 def holdings(store: _local.LocalStore) -> dict[int, dict[int, list[int]]]:
     """Every process's local parts and copies, {step: {owner: [holders]}}, of the newest
-    steps each reports (a collective)."""
+    steps each reports (agreed by all, `_agree.gather`)."""
     me = jax.process_index()
     mine = [(s, me) for s in store.steps()[-_AGREED_STEPS:]]
     for owner, steps in store.copies().items():
         mine += [(s, owner) for s in steps[-_AGREED_STEPS:]]
     mine = sorted(mine, reverse=True)[:_HELD]
-    padded = np.full((_HELD, 2), -1, np.int64)
-    if mine:
-        padded[: len(mine)] = mine
-    if jax.process_count() == 1:
-        every = padded[None]
-    else:
-        gathered = multihost_utils.process_allgather(padded)
-        every = np.asarray(gathered).reshape(-1, _HELD, 2)
     found: dict[int, dict[int, list[int]]] = {}
-    for holder, rows in enumerate(every):
-        for step, owner in rows:
-            if step >= 0:
-                found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
+    for holder, rows in enumerate(_agree.gather(json.dumps(mine))):
+        for step, owner in json.loads(rows):
+            found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
     return found
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 
 from jaxckpt import _iterators, _layout
+from jaxckpt._agree import refusing
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
-from jaxckpt._spread import refusing
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import DataStateError, JaxckptError, TreeMismatchError
 

@@ -162,9 +162,11 @@ class SaveError(JaxckptError, RuntimeError):
                 " never reached the commit barrier: they probably died; restart the job, it"
                 " resumes from the last committed step."
             )
-        lost = f" Process(es) {', '.join(map(str, missing))}{lost}" if missing else ""
+        named = isinstance(cause, ProcessesMissingError) and not self.committed  # (said there)
+        lost = f" Process(es) {', '.join(map(str, missing))}{lost}" if missing and not named else ""
+        said = str(cause).rstrip(".")
         super().__init__(
-            f"saving step {step} failed{when}: {type(cause).__name__}: {cause}.{lost} "
+            f"saving step {step} failed{when}: {type(cause).__name__}: {said}.{lost} "
             f"{fate} {_steps(committed)}."
         )
 

@@ -188,6 +188,22 @@ def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
         assert hasattr(_jax.DistributedRuntimeClient, method), f"update _internals: {method}"
 
 
+def test_the_coordination_services_waits_that_end_take_a_timeout():
+    """Every agreement between processes (`_agree`) waits at a barrier of JAX's
+    coordination service or for a key, each with a timeout in ms (tests/test_stalls.py
+    meets them with a stopped process, and reads who is missing from the error)."""
+    import inspect
+
+    from jax._src.lib import _jax
+
+    client = _jax.DistributedRuntimeClient
+    for method in ("wait_at_barrier", "blocking_key_value_get"):
+        doc = inspect.getdoc(getattr(client, method)) or ""
+        assert "timeout_in_ms: int" in doc, f"update _internals.barrier/wait_for: {doc}"
+    text = "Barrier timed out. Id: x. Some timed out task names:\n1\n3\n\n"
+    assert _internals.missing_processes(RuntimeError(text)) == [1, 3]
+
+
 def test_the_collectives_and_client_calls_counted_are_jaxs():
     """`_internals.count_collectives` (benchmarks/scale.py's counts per save and restore)
     wraps JAX's multihost collectives by name and the coordination client's calls; a
