@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jaxckpt import _agree, _internals, _iterators, _layout, _listing, _local, _orbax
 from jaxckpt._checks import check_json, check_step, gc_paused
 from jaxckpt._local import LocalTier
-from jaxckpt._lock import MAX_LEASE_S, writer_lock
+from jaxckpt._lock import MAX_LEASE_S, ObjectLease, WriterLock, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
@@ -147,19 +147,15 @@ class CheckpointManager:
         directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
-        self._lock = None
+        self._lock: WriterLock | ObjectLease | None = None
         if not read_only and _listing.is_bare(epath.Path(directory)):  # before any lock file
             raise ConfigError(
                 f"{directory} is itself one plain Orbax checkpoint, not a directory of steps: "
                 "open it with read_only=True, and save into another directory"
             )
         with contextlib.ExitStack() as undo:  # what was made, undone if a later part fails
-            if not read_only and jax.process_index() == 0:
-                # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
-                self._lock = writer_lock(directory, writer_lease_s)
-                if self._lock is not None:
-                    self._lock.acquire()
-                    undo.callback(self._lock.release)
+            # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
+            self._take_lock(directory, writer_lease_s, timeout_s, undo)
             self._store = store(
                 directory,
                 timeout_s=timeout_s,
@@ -199,6 +195,31 @@ class CheckpointManager:
     @property
     def directory(self) -> epath.Path:
         return self._store.directory
+
+    def _take_lock(
+        self, directory: str, lease_s: float, timeout_s: float, undo: contextlib.ExitStack
+    ) -> None:
+        """The writer's lock, taken by process 0, and every process agreed that it was:
+        when it was not, the others raise too, rather than wait in Orbax's first barrier
+        for a process 0 that left."""
+        failed = None
+        if not self._read_only and jax.process_index() == 0:
+            try:
+                self._lock = writer_lock(directory, lease_s)
+                if self._lock is not None:
+                    self._lock.acquire()
+                    undo.callback(self._lock.release)
+            except Exception as e:
+                failed = e
+        with _agree.deadline("the opening of the manager", timeout_s):
+            refused = _agree.refusing(None if failed is None else type(failed).__name__)
+        if failed is not None:
+            raise failed
+        if refused:
+            raise LockedError(
+                f"process 0 could not take the writer lock of {directory} (its error says "
+                "why); this process leaves with it"
+            )
 
     # ---------------------------------------------------------------------------- queries
 

@@ -8,6 +8,8 @@ stopped process itself, never timed (tests/children/stalls.py)."""
 from children import stalls
 from multihost import run_job
 
+import jaxckpt
+
 TIMEOUT_S = 6
 # The deadline is the bound; the slack covers wording the error on a loaded machine. Before
 # each wait had one, these calls hung (saves, restores), or took 2.1x timeout_s (the
@@ -59,3 +61,15 @@ def test_a_commit_waits_for_a_stopped_process_once_not_once_per_barrier(tmp_path
     # from save(2)'s start: its deadline, not one per barrier of the commit
     assert report["save_returned_s"] + report["seconds"] < TIMEOUT_S + SLACK_S, report
     assert _committed(args) == [1]
+
+
+def test_a_lock_process_0_cannot_take_fails_every_process_not_only_process_0(tmp_path):
+    # Process 0 takes the writer lock for the job; the others used to wait for it in
+    # Orbax's first barrier, for ever once it had left with LockedError.
+    args = {"dir": str(tmp_path / "ckpt"), "timeout_s": TIMEOUT_S}
+    with jaxckpt.CheckpointManager(args["dir"]):  # this test's process holds the lock
+        results = run_job(stalls.open_locked, processes=2, devices=4, args=args)
+    first, other = (r.report() for r in results)
+    assert first["type"] == "LockedError" and "is being written by" in first["error"], first
+    assert other["type"] == "LockedError", other
+    assert other["error"].startswith("process 0 could not take the writer lock of"), other

@@ -92,3 +92,12 @@ def list_steps(job: Job) -> dict:
         restored = ckpt.read(state={"w": jnp.zeros(1024, jnp.float32)})
         assert (restored.state["w"] == _state(restored.step)["w"]).all()
     return {"steps": steps}
+
+
+def open_locked(job: Job) -> dict:
+    """Both open a manager on a directory whose writer lock another process holds."""
+    try:
+        jaxckpt.CheckpointManager(job.args["dir"], timeout_s=job.args["timeout_s"])
+        return {"type": None}
+    except jaxckpt.errors.JaxckptError as e:
+        return {"type": type(e).__name__, "error": str(e)}
