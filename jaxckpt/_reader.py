@@ -113,7 +113,7 @@ def open(
         in all (ProcessesMissingError naming those that did not come).
     """
     timeout_s = _agree.check_timeout(timeout_s)
-    with _agree.deadline("opening the checkpoint", timeout_s):
+    with _agree.deadline("the opening of the checkpoint", timeout_s):
         budget = restore_inflight_bytes or auto_inflight_bytes()
     store = _orbax.OrbaxStore(
         directory, read_only=True, restore_inflight_bytes=budget, timeout_s=timeout_s
