@@ -22,9 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import jax
-import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 from jaxckpt import _agree, _internals, _iterators, _layout, _listing, _local, _orbax
 from jaxckpt._checks import check_json, check_step, gc_paused
@@ -32,7 +30,7 @@ from jaxckpt._local import LocalTier
 from jaxckpt._lock import MAX_LEASE_S, ObjectLease, WriterLock, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
 from jaxckpt._policy import RetentionPolicy, SavePolicy
-from jaxckpt._preemption import PreemptionPolicy, PreemptionWatcher
+from jaxckpt._preemption import Notices, PreemptionPolicy
 from jaxckpt._reader import Checkpoint
 from jaxckpt._storage import absolute
 from jaxckpt._store_errors import naming_the_store
@@ -180,9 +178,7 @@ class CheckpointManager:
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes
         )
         self._tiers = Tiers(self._reader, self._local)
-        if read_only:
-            preemption = PreemptionPolicy(enabled=False)
-        self._preemption = PreemptionWatcher(preemption)
+        self._preemption = Notices(policy, preemption, timeout_s=timeout_s, read_only=read_only)
         self._policy = policy
         self._retention = retention
         self._clock = clock
@@ -248,22 +244,20 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True when `step` should be saved: per the save policy, or for a preemption.
 
-        Call it at every step on every process (the preemption agreement counts on it);
-        reads no files.
+        Call it at every step on every process, with the same step numbers: with several
+        processes, the step saved for a notice (or for `every_seconds`) is agreed from them.
+        It reads no files and makes no request until a notice; then it may wait for the
+        others, at most `PreemptionPolicy.timeout_s` (`timeout_s` for `every_seconds`), and
+        raise `ProcessesMissingError` naming those that did not come (see Deadlines).
         """
         step = check_step(step)
-        if self._preemption.reached(step):
+        preempting, due = self._preemption.at(step, self._clock() - self._last_save_time)
+        if preempting:
             log.warning("preemption: step %d is the step to save before exiting", step)
             self._due = (step, False, True)  # to the persistent tier: the VM's disks go too
             return step != self._last_saved_step
         if step == self._last_saved_step:
             return False
-        due = self._policy.due(
-            step=step, seconds_since_last_save=self._clock() - self._last_save_time
-        )
-        if self._policy.every_seconds is not None and jax.process_count() > 1:
-            # Clocks differ between hosts: process 0 decides, so all save the same step.
-            due = bool(multihost_utils.broadcast_one_to_all(np.bool_(due)))
         local = self._local is not None and self._local.tier.due(step)
         self._due = (step, local, due)
         return due or local

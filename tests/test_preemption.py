@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from children import preempted_loop
+from children import notices, preempted_loop
 from multihost import run_job
 
 import jaxckpt
@@ -145,6 +145,17 @@ def test_a_second_signal_ends_a_process_blocked_in_restore_or_wait(tmp_path, blo
 def test_bad_policy():
     with pytest.raises(errors.ConfigError, match="signal numbers"):
         jaxckpt.PreemptionPolicy(signals=("SIGTERM",))
+    for seconds in (0, -1.0, True, "60", None):
+        with pytest.raises(errors.ConfigError, match=r"PreemptionPolicy\.timeout_s must be a po"):
+            jaxckpt.PreemptionPolicy(timeout_s=seconds)
+
+
+def test_a_check_true_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
+    args = {"dir": str(tmp_path), "steps": 3000, "check_at": 20}
+    reports = [r.report() for r in run_job(preempted_loop.train, processes=2, devices=4, args=args)]
+    assert all(r["preempted"] for r in reports), reports
+    saved = {r["saved"] for r in reports}
+    assert len(saved) == 1 and 20 < saved.pop() < 30, reports  # the same step, soon after
 
 
 def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
@@ -178,3 +189,95 @@ def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
     with jaxckpt.CheckpointManager(tmp_path) as m:
         restored = m.restore(step, state={"w": np.zeros(64, np.float32)}).state["w"]
     np.testing.assert_array_equal(restored, np.arange(64.0, dtype=np.float32) + step)
+
+
+# A process stopped (SIGSTOP: stuck in a driver call, on a dead mount) while the others wait
+# for it to agree on the step to save: they end in ProcessesMissingError naming it, by the
+# deadline, and no committed step is lost. Before, should_save waited in JAX's preemption
+# barrier or a collective until the stopped process died.
+TIMEOUT_S = 4
+SLACK_S = 4  # start-up of the agreement and the error's wording, on a loaded machine
+
+
+def _committed(args) -> list[int]:
+    """The committed steps, as a fresh process lists them (the latest read back whole)."""
+    (after,) = run_job(notices.committed, processes=1, devices=8, args=args)
+    return after.report()["steps"]
+
+
+def _ready(path, procs, timeout=120):
+    deadline = time.monotonic() + timeout  # bounded: the job's start-up and step 1's save
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} in {timeout} s"
+        assert all(p.poll() is None for p in procs), "a process of the job exited"
+        time.sleep(0.05)
+
+
+def test_sigterm_to_both_with_one_stopped_ends_in_a_named_error_by_the_deadline(tmp_path):
+    """The issue's case: SIGTERM to both processes of a job, process 1 stopped at once (here
+    before it could act on its SIGTERM, so that nothing of it was published)."""
+    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "timeout_s": TIMEOUT_S}
+    args["heartbeat_s"] = 300  # JAX's heartbeat must not end the job first
+    sent = []
+
+    def sigterm_to_both(procs):
+        _ready(tmp_path / "ready0", procs)
+        _ready(tmp_path / "ready1", procs)
+        procs[1].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signal.SIGSTOP)
+        launch.wait_stopped(procs[1], timeout=30)
+        sent.append(time.time())
+        procs[0].send_signal(signal.SIGTERM)
+
+    survivor, stopped = run_job(
+        notices.sigterm_to_both,
+        processes=2,
+        devices=4,
+        args=args,
+        timeout=60,
+        check=False,
+        while_running=sigterm_to_both,
+    )
+    assert stopped.returncode == -9, stopped.stderr[-2000:]  # killed by process 0, stopped
+    report = survivor.report()
+    assert report["type"] == "ProcessesMissingError", report
+    assert report["missing"] == [1], report
+    assert report["error"].startswith(
+        "process(es) 1 did not reach the preemption agreement within 4 s "
+        "(PreemptionPolicy.timeout_s)"
+    ), report
+    assert TIMEOUT_S <= report["at"] - sent[0] < TIMEOUT_S + SLACK_S, report
+    assert _committed(args) == [1]
+
+
+def test_every_seconds_with_one_process_stopped_ends_in_a_named_error_by_the_deadline(tmp_path):
+    args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "timeout_s": TIMEOUT_S}
+    args["heartbeat_s"] = 300
+    survivor, stopped = run_job(
+        notices.stopped_every_seconds, processes=2, devices=4, args=args, timeout=60, check=False
+    )
+    assert stopped.returncode == -9, stopped.stderr[-2000:]
+    report = survivor.report()
+    assert report["type"] == "ProcessesMissingError", report
+    assert report["missing"] == [1], report
+    assert report["error"].startswith(
+        "process(es) 1 did not reach the agreement on the step to save for "
+        "SavePolicy.every_seconds within 4 s (timeout_s)"
+    ), report
+    assert TIMEOUT_S <= report["seconds"] < TIMEOUT_S + SLACK_S, report
+    # 17 should_save with no notice: no collective, no request to the coordination service
+    assert report["counts"] == [{}, {}], report
+    assert _committed(args) == [1]
+
+
+def test_every_seconds_saves_the_same_steps_on_every_process_by_process_0s_clock(tmp_path):
+    args = {"dir": str(tmp_path / "ckpt")}
+    first, second = [
+        r.report() for r in run_job(notices.every_seconds, processes=2, devices=4, args=args)
+    ]
+    assert first["saved"] == second["saved"], (first, second)
+    # due at step 10 by process 0's clock (1 s a step); saved once agreed, then 10 s later
+    assert len(first["saved"]) == 3 and 10 < first["saved"][0] <= 12, first
+    assert first["steps"] == first["saved"], first
+    # the agreements' keys do not pile up: the last two rounds' at most
+    assert len(first["keys"]) <= 8, first["keys"]

@@ -1,6 +1,7 @@
 """The job of tests/test_preemption.py (run by children.job in every process): a training
 loop that saves only when `should_save` says so (a preemption notice), resuming from the
-latest step; `job.args["steps"]` steps at most."""
+latest step; `job.args["steps"]` steps at most. With `job.args["check_at"]`, process 1's
+`PreemptionPolicy.check` gives the notice there."""
 
 import os
 import time
@@ -20,12 +21,20 @@ def train(job: Job) -> dict:
         (64,), sharding, lambda i: np.arange(64.0, dtype=np.float32)[i]
     )
     add = jax.jit(lambda w: w + 1)
-    m = jaxckpt.CheckpointManager(job.args["dir"], policy=jaxckpt.SavePolicy(every_steps=10_000))
+    at = [0]  # the step in progress
+    check_at = job.args.get("check_at")  # process 1's check() is true from this step on
+    policy = jaxckpt.PreemptionPolicy(
+        check=lambda: job.process_id == 1 and check_at is not None and at[0] >= check_at
+    )
+    m = jaxckpt.CheckpointManager(
+        job.args["dir"], policy=jaxckpt.SavePolicy(every_steps=10_000), preemption=policy
+    )
     start = m.latest_step() or 0
     if start:
         w = m.restore(state={"w": jaxckpt.target_like(w)}).state["w"]
     saved = None
     for step in range(start + 1, start + job.args["steps"]):
+        at[0] = step
         w = add(w)  # a training step; it is a collective-free update on every device
         if step == start + 5:
             open(ready, "w").close()
