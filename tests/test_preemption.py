@@ -214,8 +214,10 @@ def _ready(path, procs, timeout=120):
 
 
 def test_sigterm_to_both_with_one_stopped_ends_in_a_named_error_by_the_deadline(tmp_path):
-    """The issue's case: SIGTERM to both processes of a job, process 1 stopped at once (here
-    before it could act on its SIGTERM, so that nothing of it was published)."""
+    """The issue's case: SIGTERM to both processes of a job, process 1 stopped at once. It is
+    stopped first, its SIGTERM left pending: had it run on for a moment (the parent may be
+    descheduled between two signals), it could have published its step, and process 0
+    would then wait in its save instead, which tests/test_stalls.py covers."""
     args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "timeout_s": TIMEOUT_S}
     args["heartbeat_s"] = 300  # JAX's heartbeat must not end the job first
     sent = []
@@ -223,9 +225,9 @@ def test_sigterm_to_both_with_one_stopped_ends_in_a_named_error_by_the_deadline(
     def sigterm_to_both(procs):
         _ready(tmp_path / "ready0", procs)
         _ready(tmp_path / "ready1", procs)
-        procs[1].send_signal(signal.SIGTERM)
         procs[1].send_signal(signal.SIGSTOP)
         launch.wait_stopped(procs[1], timeout=30)
+        procs[1].send_signal(signal.SIGTERM)
         sent.append(time.time())
         procs[0].send_signal(signal.SIGTERM)
 
