@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 OLD_ORBAX := .venv-orbax-0.2.3
 OLD_STAMP := $(OLD_ORBAX)/.installed-stamp
 
-.PHONY: demo test lint docs format clean bench bench-quick
+.PHONY: demo test pytest lint docs format clean bench bench-quick
 
 # Re-install whenever the declared dependencies change.
 $(STAMP): pyproject.toml
@@ -25,7 +25,12 @@ $(OLD_STAMP): tests/old_orbax/requirements.txt
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) $(OLD_STAMP) lint docs
+# lint and the docs build run beside pytest (each still fails the target); the output of
+# each is printed whole once it is done.
+test: $(STAMP) $(OLD_STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint docs pytest
+
+pytest: $(STAMP) $(OLD_STAMP)
 	$(BIN)/pytest
 
 # The documentation site, into site/: strict (mkdocs.yml), so a broken link, a missing
