@@ -1,5 +1,5 @@
 """gcsfs (fsspec's gs://, epath's backend too) with `_store_errors.ATTEMPTS` attempts a
-request, not gcsfs's six.
+request, not gcsfs's six, all within a `_store_errors.within` block's deadline.
 
 gcsfs wraps one attempt of each request in its retries (`gcsfs.retry.retry_request`),
 their number fixed when its class is made, and pauses 1, 2, 4, 8 and 16 s between them: an
@@ -12,22 +12,27 @@ fsspec's gs:// and gcs:// (each request's timeouts are fsspec's configuration:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import fsspec
 import gcsfs
 from gcsfs.retry import retry_request
 
-from jaxckpt._store_errors import ATTEMPTS
+from jaxckpt._store_errors import ATTEMPTS, bounded_call
 
 # (the `decorator` package, which made gcsfs's retries, keeps what it wrapped here)
 _ONE_ATTEMPT = gcsfs.GCSFileSystem._request.__wrapped__
 
 
 class GCSFileSystem(gcsfs.GCSFileSystem):
-    """gcsfs's file system, each request tried `ATTEMPTS` times at most."""
+    """gcsfs's file system, each request tried `ATTEMPTS` times at most, and given up at
+    the deadline of the `within` block it was made in."""
 
     retries = ATTEMPTS
-    _request = retry_request(_ONE_ATTEMPT, ATTEMPTS)
+    _attempts = retry_request(_ONE_ATTEMPT, ATTEMPTS)
+
+    async def _request(self, *args: Any, **kwargs: Any) -> Any:
+        return await bounded_call(self._attempts(*args, **kwargs))
 
 
 @functools.cache

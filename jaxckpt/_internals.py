@@ -476,29 +476,35 @@ def wake_on_failed_creation(directory: epath.Path) -> None:
     atomicity._create_paths = create_or_wake
 
 
-def s3_kvstores() -> None:
-    """Orbax reads and writes s3:// directories through tensorstore's s3 driver from now on.
+def object_kvstores() -> None:
+    """Orbax reads and writes gs:// and s3:// directories through tensorstore kvstores that
+    give up on a store that does not answer (`_store_errors.tensorstore_context`), and
+    s3:// ones through tensorstore's s3 driver, from now on.
 
     Orbax builds the kvstore spec of every folder it reads or writes in one function, which
     knows only gs:// and local paths (google/orbax#359): an s3:// path was refused as a
     relative local one. That function is wrapped once: an s3:// directory's spec is built
     as the gs:// one of the same bucket and key (OCDBT over an object store: no file locks,
-    Orbax's read coalescing), then each GCS driver in it becomes `_storage.s3_kvstore`'s."""
+    Orbax's read coalescing), then each GCS driver in it becomes `_storage.s3_kvstore`'s;
+    each driver of a store gets the context of its attempts. (tensorstore tried a request
+    32 times, up to 32 s apart, and curl had no limit: a frozen store held a restore for
+    ever.)"""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
     build = tensorstore_utils.build_kvstore_tspec
-    if getattr(build, "_jaxckpt_s3", False):
+    if getattr(build, "_jaxckpt_stores", False):
         return
 
     @functools.wraps(build)
-    def with_s3(directory: Any, *args: Any, **kwargs: Any) -> Any:
+    def bounded(directory: Any, *args: Any, **kwargs: Any) -> Any:
         text = str(directory)
-        if not text.startswith("s3://"):
-            return build(directory, *args, **kwargs)
-        return _gcs_to_s3(build(f"gs://{text.removeprefix('s3://')}", *args, **kwargs))
+        if text.startswith("s3://"):
+            spec = build(f"gs://{text.removeprefix('s3://')}", *args, **kwargs)
+            return _with_context(_gcs_to_s3(spec))
+        return _with_context(build(directory, *args, **kwargs))
 
-    with_s3._jaxckpt_s3 = True  # type: ignore[attr-defined]
-    tensorstore_utils.build_kvstore_tspec = with_s3
+    bounded._jaxckpt_stores = True  # type: ignore[attr-defined]
+    tensorstore_utils.build_kvstore_tspec = bounded
 
 
 def _gcs_to_s3(spec: Any) -> Any:
@@ -515,6 +521,21 @@ def _gcs_to_s3(spec: Any) -> Any:
     if spec.get("driver") in ("gcs", "gcs_grpc"):
         return s3_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")
     return {key: _gcs_to_s3(value) for key, value in spec.items()}
+
+
+def _with_context(spec: Any) -> Any:
+    """A kvstore spec with each gcs or s3 driver in it given the context of its attempts
+    (`_store_errors.tensorstore_context`; one the spec has already is kept)."""
+    from jaxckpt._store_errors import tensorstore_context
+
+    if isinstance(spec, list):
+        return [_with_context(s) for s in spec]
+    if not isinstance(spec, dict):
+        return spec
+    spec = {key: _with_context(value) for key, value in spec.items()}
+    if spec.get("driver") in ("gcs", "s3") and "context" not in spec:
+        spec["context"] = tensorstore_context("s3" if spec["driver"] == "s3" else "gs")
+    return spec
 
 
 # --- end of Orbax's and JAX's internals -------------------------------------------------

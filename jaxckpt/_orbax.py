@@ -115,8 +115,8 @@ class OrbaxStore:
         if not read_only:
             _internals.checksummed(self.directory)
             _internals.wake_on_failed_creation(self.directory)
-        if str(self.directory).startswith("s3://"):
-            _internals.s3_kvstores()
+        if is_remote(self.directory):
+            _internals.object_kvstores()
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(

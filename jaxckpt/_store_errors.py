@@ -1,35 +1,46 @@
 """A store (gs://, s3://) that does not answer, or refuses: how long jaxckpt waits for it,
 and its failure as one named error, `StorageError`, whichever client met it.
 
-Four clients talk to the stores under jaxckpt, each with its own exceptions and retries:
-s3fs and boto3 (over botocore), gcsfs and google-cloud-storage. Left to their defaults, an
+Five clients talk to the stores under jaxckpt, each with its own exceptions and retries:
+s3fs and boto3 (over botocore), gcsfs and google-cloud-storage, and tensorstore's own HTTP
+(the arrays and OCDBT's files, read and written through Orbax). Left to their defaults, an
 endpoint that is down was retried for 5-13 s (botocore: 5 attempts), 35 s (gcsfs: 6, 1-16 s
 apart) or 2 minutes (google-cloud-storage), and one that does not answer for minutes
-(botocore: 60 s a connection attempt); then `EndpointConnectionError`,
-`ClientConnectorError`, ... surfaced raw.
+(botocore: 60 s a connection attempt; s3fs: 5 more tries of each; tensorstore: no limit
+at all, and 32 tries); then `EndpointConnectionError`, `ClientConnectorError`, ...
+surfaced raw.
 
 The give-up time `T` (`JAXCKPT_STORAGE_TIMEOUT_S`, 30 s unless set) bounds them all: a
 request is tried `ATTEMPTS` times at most (google-cloud-storage: for `T` at most), each
-attempt waiting at most `T / ATTEMPTS` to connect and as long for each part of an answer.
+attempt waiting at most `T / ATTEMPTS` to connect and as long for each part of an answer
+(tensorstore: for a byte of it), with a pause of a few seconds between attempts at most.
 An endpoint that refuses connections is given up in a few seconds (the pauses between
-attempts), one that does not answer in about `T` (on S3 up to 5 `T`: s3fs retries a request
-that timed out 5 times itself, its class's number). tensorstore's own retries (the arrays)
-are not changed here.
+attempts), one that does not answer in about `T` and the pauses. s3fs and gcsfs try once
+per attempt of theirs, in subclasses of their file systems (`jaxckpt._s3fs`,
+`jaxckpt._gcsfs`); tensorstore reads curl's limits from the environment (set here unless
+the user set them) and its attempts from its kvstores' context (`tensorstore_context`).
+`within(seconds)` bounds all the requests s3fs and gcsfs make in a block, in all: an error
+path (the listing that words a `SaveError`) never waits long on a store that just failed.
 
 `reaching(url)` turns what the clients raise into `StorageError`, where a user enters
 jaxckpt (`naming_the_store`: a `CheckpointManager`, `jaxckpt.open` and all that opens
-through it); the CLI does the same for whatever a command meets.
+through it; `naming_its_store`: a call of an open one, naming what it did); the CLI does
+the same for whatever a command meets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import math
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from jaxckpt.errors import ConfigError, JaxckptError, StorageError
@@ -58,19 +69,86 @@ def give_up_s() -> float:
 
 
 @functools.cache
-def botocore_settings(seconds: float) -> dict[str, Any]:
-    """botocore's `Config` for a give-up time (boto3's client, s3fs's `config_kwargs`)."""
+def botocore_settings(seconds: float, attempts: int = ATTEMPTS) -> dict[str, Any]:
+    """botocore's `Config` for a give-up time (boto3's client, s3fs's `config_kwargs`):
+    `attempts` of at most `seconds / ATTEMPTS` each."""
     each = seconds / ATTEMPTS
-    retries = {"max_attempts": ATTEMPTS, "mode": "standard"}
+    # (botocore's `max_attempts` counts the retries only: 3 made 4 attempts)
+    retries = {"total_max_attempts": attempts, "mode": "standard"}
     return {"connect_timeout": each, "read_timeout": each, "retries": retries}
 
 
-def gcs_call_settings() -> dict[str, Any]:
-    """google-cloud-storage's `retry` and `timeout` of each call, for the give-up time."""
+def gcs_call_settings(*, once: bool = False) -> dict[str, Any]:
+    """google-cloud-storage's `retry` and `timeout` of each call, for the give-up time
+    (`once`: one attempt, of at most a third of it)."""
     from google.cloud.storage.retry import DEFAULT_RETRY
 
     seconds = give_up_s()
-    return {"retry": DEFAULT_RETRY.with_timeout(seconds), "timeout": seconds / ATTEMPTS}
+    retry = None if once else DEFAULT_RETRY.with_timeout(seconds)
+    return {"retry": retry, "timeout": seconds / ATTEMPTS}
+
+
+# The time left to the requests of a `within` block (monotonic), None outside one. A
+# context variable: fsspec runs each request as a task of its own event loop's thread, made
+# in a copy of the caller's context, so the block's deadline reaches it there.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "jaxckpt_store_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Every request s3fs and gcsfs make for this thread in the block (jaxckpt's and
+    epath's) given up once `seconds` have passed since it began: fsspec's FSTimeoutError
+    (which `storage_error` names as a store that did not answer), and none made after."""
+    token = _DEADLINE.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+async def bounded_call(call: Awaitable[R]) -> R:
+    """`call` (one request of s3fs or gcsfs, all its attempts) within what is left of the
+    `within` block it was made in, if any (asyncio.TimeoutError after)."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return await call
+    left = deadline - time.monotonic()
+    if left <= 0:
+        if inspect.iscoroutine(call):
+            call.close()  # never started
+        raise TimeoutError
+    return await asyncio.wait_for(call, left)
+
+
+# tensorstore's HTTP (curl) reads its limits from the environment when it makes its
+# transport: once a process, at its first request to a store.
+_TENSORSTORE_LIMITS = (
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+)
+_set_in_environment: dict[str, str] = {}
+
+
+def _tensorstore_limits(seconds: float) -> None:
+    """curl's limits of tensorstore's requests for the give-up time: `seconds / ATTEMPTS`
+    to connect, and an attempt given up once as long passed without a byte (curl looks
+    once a second: counted in). What the user set is kept."""
+    each = max(1, math.ceil(seconds / ATTEMPTS))
+    values = (str(each), str(max(1, each - 1)), "1")
+    for name, value in zip(_TENSORSTORE_LIMITS, values, strict=True):
+        if os.environ.get(name) in (None, _set_in_environment.get(name)):
+            os.environ[name] = _set_in_environment[name] = value
+
+
+def tensorstore_context(protocol: str) -> dict[str, Any]:
+    """The `context` of tensorstore's kvstore of a gs:// or s3:// folder: each request
+    tried `ATTEMPTS` times, 1-2 s apart (tensorstore's default: 32 times, up to 32 s apart,
+    for about ten minutes)."""
+    retries = {"max_retries": ATTEMPTS, "initial_delay": "1s", "max_delay": "2s"}
+    return {f"{'s3' if protocol == 's3' else 'gcs'}_request_retries": retries}
 
 
 # fsspec's settings of each protocol as jaxckpt last set them: replaced when the give-up
@@ -79,13 +157,21 @@ _set_here: dict[tuple[str, str], Any] = {}
 
 
 def configure(url: Any) -> None:
-    """Sets fsspec's client of `url`'s store (s3fs, gcsfs: epath's too) to the give-up time
-    now; what the user set in fsspec's configuration is kept."""
+    """Sets the clients of `url`'s store to the give-up time now: fsspec's (s3fs, gcsfs:
+    epath's too) and tensorstore's curl, unless tensorstore made its transport before;
+    what the user set in fsspec's configuration or the environment is kept."""
     import fsspec
 
     protocol = str(url).partition("://")[0]
     seconds = give_up_s()
+    if protocol in ("s3", "gs", "gcs"):
+        _tensorstore_limits(seconds)
     if protocol == "s3":
+        try:
+            from jaxckpt._s3fs import bounded as bounded_s3
+        except ImportError:  # no s3fs: `_storage.s3_config` says so
+            return
+        bounded_s3()
         options = fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {})
         _set(options, "s3", botocore_settings(seconds))
     elif protocol in ("gs", "gcs"):
@@ -128,15 +214,31 @@ def naming_the_store(function: Callable[P, R]) -> Callable[P, R]:
     return entered
 
 
+def naming_its_store(doing: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A method of an object with a `directory` (an open manager, checkpoint), its store's
+    failures raised as `StorageError` (`reaching`) that say what it was `doing`."""
+
+    def wrap(method: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(method)
+        def called(*args: P.args, **kwargs: P.kwargs) -> R:
+            with reaching(getattr(args[0], "directory", None), doing):
+                return method(*args, **kwargs)
+
+        return called
+
+    return wrap
+
+
 @contextlib.contextmanager
-def reaching(url: Any) -> Iterator[None]:
-    """Raises a store's failure met inside (`storage_error`) as `StorageError`. A
-    FileNotFoundError (NoCheckpointError too) met inside on object storage is one when the
-    bucket itself is missing (one request to learn it, then)."""
+def reaching(url: Any, doing: str | None = None) -> Iterator[None]:
+    """Raises a store's failure met inside (`storage_error`) as `StorageError` (saying
+    what jaxckpt was `doing`, if given). A FileNotFoundError (NoCheckpointError too) met
+    inside on object storage is one when the bucket itself is missing (one request to learn
+    it, then)."""
     try:
         yield
     except Exception as e:
-        found = storage_error(url, e)
+        found = storage_error(url, e, doing)
         if found is None and isinstance(e, FileNotFoundError):
             answer = _no_bucket(url)
             found = None if answer is None else StorageError(_message(url, "bucket", answer))
@@ -145,18 +247,26 @@ def reaching(url: Any) -> Iterator[None]:
         raise found from e
 
 
-def storage_error(url: Any, error: BaseException) -> StorageError | None:
+def storage_error(url: Any, error: BaseException, doing: str | None = None) -> StorageError | None:
     """`error` as a `StorageError` that names the store of `url` and what to check, if it
     (or an error it was raised from) is one of the store's failures: it could not be
     reached or did not answer, it refused the credentials or the access, its bucket is
-    missing, it failed; None for anything else (a missing object, jaxckpt's own errors)."""
+    missing, it failed; None for anything else (a missing object, jaxckpt's own errors).
+    `doing`: what jaxckpt was doing, and with which object ("reading state of step 3
+    (gs://b/run/3/state)"), said first."""
     if url is None or "://" not in str(url) or isinstance(error, JaxckptError):
         return None
     for cause in _causes(error):
         kind = _kind(cause)
         if kind is not None:
-            return StorageError(_message(url, kind, cause))
+            return StorageError(_message(url, kind, cause, doing))
     return None
+
+
+def store_failed(url: Any, error: BaseException) -> bool:
+    """Whether `error` is the failure of `url`'s store (`storage_error`), raw or named:
+    asking the store again (to hash, to list) then only waits on it once more."""
+    return isinstance(error, StorageError) or storage_error(url, error) is not None
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:
@@ -208,7 +318,17 @@ def _kind(error: BaseException) -> str | None:
         return "unreachable"
     if _is(error, "google.api_core.exceptions", "RetryError"):  # its deadline passed
         return "unreachable"
+    if isinstance(error, ValueError) and _TENSORSTORE_UNANSWERED.match(str(error)):
+        return "unreachable"
     return None
+
+
+# tensorstore's error (a ValueError holding its status) once its HTTP request gave up:
+# "ABORTED: All 3 retry attempts failed: CURL error Timeout was reached: ...", "UNAVAILABLE:
+# ... CURL error Couldn't connect to server", ...
+_TENSORSTORE_UNANSWERED = re.compile(
+    r"(ABORTED|UNAVAILABLE|DEADLINE_EXCEEDED): .*(retry attempts failed|CURL error)", re.S
+)
 
 
 def _status(error: BaseException) -> tuple[int | None, str | None]:
@@ -268,7 +388,8 @@ _CREDENTIALS = {
 }
 
 
-def _message(url: Any, kind: str, error: BaseException) -> str:
+def _message(url: Any, kind: str, error: BaseException, doing: str | None = None) -> str:
+    named = f"{url}: {doing}" if doing else str(url)
     protocol = str(url).partition("://")[0]
     protocol = "gs" if protocol == "gcs" else protocol
     bucket = str(url).partition("://")[2].partition("/")[0]
@@ -277,22 +398,22 @@ def _message(url: Any, kind: str, error: BaseException) -> str:
     said = said if len(said) <= 400 else said[:400] + "..."
     if kind == "unreachable":
         return (
-            f"{url}: the store at {at} could not be reached ({said}); jaxckpt gives up on a "
+            f"{named}: the store at {at} could not be reached ({said}); jaxckpt gives up on a "
             f"store within {give_up_s():g} s ({VARIABLE} sets it). Check "
             f"{_ENDPOINT.get(protocol, 'the endpoint')}, the network, and that the store is up."
         )
     if kind == "refused":
         return (
-            f"{url}: the store at {at} refused access ({said}). Check "
+            f"{named}: the store at {at} refused access ({said}). Check "
             f"{_CREDENTIALS.get(protocol, 'the credentials')}, and that they may list, read "
             f"and write the bucket {bucket}."
         )
     if kind == "bucket":
         return (
-            f"{url}: the store at {at} has no bucket {bucket} ({said}). Check the bucket's "
+            f"{named}: the store at {at} has no bucket {bucket} ({said}). Check the bucket's "
             f"name and {_ENDPOINT.get(protocol, 'the endpoint')}, or create the bucket."
         )
-    return f"{url}: the store at {at} failed ({said}). Try again, or check the store's status."
+    return f"{named}: the store at {at} failed ({said}). Try again, or check the store's status."
 
 
 def _endpoint(protocol: str) -> str:

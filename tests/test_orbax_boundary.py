@@ -147,7 +147,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
 
 
 def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3_server):
-    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_internals.s3_kvstores) makes
+    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_internals.object_kvstores) makes
     # its specs of an s3:// folder tensorstore's s3 driver, for reads and writes alike.
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -162,8 +162,15 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
         spec = json.dumps(tensorstore_utils.build_kvstore_tspec("s3://b/k", use_ocdbt=ocdbt))
         assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
             "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
-            f"(or their GCS driver changed): update _internals.s3_kvstores. Got {spec}"
+            f"(or their GCS driver changed): update _internals.object_kvstores. Got {spec}"
         )
+    # Each store's driver tries a request 3 times, not tensorstore's 32 (issue 49).
+    for url, retries in (
+        ("s3://b/k", "s3_request_retries"),
+        ("gs://bucket/k", "gcs_request_retries"),
+    ):
+        spec = json.dumps(tensorstore_utils.build_kvstore_tspec(url, use_ocdbt=True))
+        assert f'"context": {{"{retries}": {{"max_retries": 3' in spec, spec
 
 
 def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
