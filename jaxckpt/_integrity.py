@@ -24,6 +24,7 @@ import dataclasses
 import io
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ from etils import epath
 
 from jaxckpt import _layout
 from jaxckpt._storage import files_below, is_remote, open_inside, read_small, sizes_below
+from jaxckpt._store_errors import store_failed
 from jaxckpt.errors import CorruptCheckpointError, RestoreError
 
 HASH = "xxh3_128"
@@ -224,6 +226,7 @@ def verify_step(
     share: tuple[int, int] = (0, 1),
     progress: Progress | None = None,
     unread: bool = False,
+    stop: threading.Event | None = None,
 ) -> StepReport:
     """Checks every file of a step against its manifest; never raises for bad data.
 
@@ -231,6 +234,7 @@ def verify_step(
     verify a step together, each reading a part of it. `progress` is called after each file.
     `unread`: only the files a read does not check itself (the manifest's `read_checked`
     left out, their presence still checked): what a restore hashes before it reads.
+    `stop`: once set, no file more is read (the report is then of no use).
     """
     try:
         listed, read_checked = _manifest(step_dir)
@@ -254,6 +258,8 @@ def verify_step(
 
     def check(item: tuple[str, dict[str, Any]]) -> tuple[int, str | None]:
         rel, expected = item
+        if stop is not None and stop.is_set():
+            return 0, None
         if rel not in present:
             return 0, f"{rel}: missing"
         if listed_sizes.get(rel, expected["size"]) != expected["size"]:
@@ -335,21 +341,31 @@ def verified_while_reading(
     if not verify:
         yield lambda: None
         return
-    with concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify") as pool:
-        report = pool.submit(verify_step, folder, step, unread=unread)
+    stop = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify")
+    report = pool.submit(verify_step, folder, step, unread=unread, stop=stop)
 
-        def check() -> None:
-            if problems := report.result().problems:
-                raise CorruptCheckpointError(step, problems, str(directory))
+    def check() -> None:
+        if problems := report.result().problems:
+            raise CorruptCheckpointError(step, problems, str(directory))
 
+    try:
         try:
             yield check
         except Exception as e:
+            if store_failed(directory, e):
+                # The store failed the read (it did not answer, ...): what hashing on it
+                # would find says nothing of the files. It stops after the request in
+                # flight, and is not waited for.
+                stop.set()
+                raise
             check()
             if unread and explains(e) and (found := verify_step(folder, step).problems):
                 raise CorruptCheckpointError(step, found, str(directory)) from e
             raise
         check()
+    finally:
+        pool.shutdown(wait=not stop.is_set())
 
 
 def explains(error: BaseException) -> bool:

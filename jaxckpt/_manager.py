@@ -33,7 +33,7 @@ from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import Notices, PreemptionPolicy
 from jaxckpt._reader import Checkpoint
 from jaxckpt._storage import absolute
-from jaxckpt._store_errors import naming_the_store
+from jaxckpt._store_errors import naming_its_store, naming_the_store
 from jaxckpt._tiers import Tiers
 from jaxckpt._tree import flatten, node_types
 from jaxckpt._trees import Restored, Wanted
@@ -219,10 +219,12 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------- queries
 
+    @naming_its_store("listing the steps")
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first. A step still being written is not listed."""
         return self._store.steps()
 
+    @naming_its_store("finding the latest step")
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none; with a local tier, the
         newest of either tier (a local step counts once every process's part of it exists:
@@ -417,6 +419,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------- restore
 
+    @naming_its_store("restoring")
     def restore(
         self,
         step: int | None = None,

@@ -41,7 +41,7 @@ from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
-from jaxckpt._store_errors import naming_the_store
+from jaxckpt._store_errors import naming_its_store, naming_the_store, store_failed
 from jaxckpt._tree import ReadRequest
 from jaxckpt._trees import Restored, Wanted, check_data, read_trees
 from jaxckpt.errors import (
@@ -253,6 +253,7 @@ class Checkpoint:
 
     # ---------------------------------------------------------------------------- restore
 
+    @naming_its_store("reading")
     def read(
         self,
         step: int | None = None,
@@ -298,7 +299,8 @@ class Checkpoint:
                 with gc_paused():
                     return self._read_step(candidate, wanted)
             except Exception as e:
-                if candidate not in self.steps():
+                # (a store that failed the read is not asked again: it just did not answer)
+                if not store_failed(self.directory, e) and candidate not in self.steps():
                     raise _Deleted(candidate) from e
                 if not isinstance(e, CorruptCheckpointError) or not fallback or step is not None:
                     raise

@@ -3,7 +3,7 @@ leaves read and placed in batches, for the persistent tier, the local tier and t
 of a step plain Orbax wrote alike (the save side, shards copied off the devices, is
 `jaxckpt._packed.to_host`, over `_internals.device_buffers`). The errors a read raises are
 worded here: a file that is not what jaxckpt writes is a CorruptCheckpointError, a failure
-of the storage itself a RestoreError.
+of the storage itself a RestoreError (of a store that did not answer, a StorageError).
 """
 
 from __future__ import annotations
@@ -20,18 +20,24 @@ from jaxckpt import _packed_read
 from jaxckpt._internals import put_batched
 from jaxckpt._layout import INFO_PATH, StepInfo
 from jaxckpt._plan import read_batches
+from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
 
 
 @contextlib.contextmanager
 def read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
-    """Orbax's and tensorstore's errors while reading a step, as one RestoreError."""
+    """Orbax's and tensorstore's errors while reading a step, as one RestoreError; a
+    store's failure (it did not answer, refused, ...) as the StorageError it is, naming the
+    read and the item's folder."""
     try:
         yield
     except JaxckptError:
         raise
     except Exception as e:
+        where = directory / str(step) / item
+        if found := storage_error(directory, e, f"reading {item} of step {step} ({where})"):
+            raise found from e
         raise RestoreError(
             f"reading {item} of step {step} in {directory} failed: {type(e).__name__}: "
             + first_line(e)
