@@ -96,6 +96,10 @@ class OrbaxStore:
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
         self._read_steps: frozenset[tuple[int, str]] = frozenset()  # (`Listing.read`)
         self._prefixed: frozenset[int] = frozenset()
+        # The committed steps as last listed (a `scan` of the newest step, and each save
+        # waited for, adds its own): what a SaveError names when the store does not answer.
+        self.listed: tuple[int, ...] = ()
+        self._noted: int | None = None  # the last save `listed` holds
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
         # be saved again.
@@ -191,6 +195,8 @@ class OrbaxStore:
         self._orbax_steps = dict(listing.orbax)
         self._read_steps = listing.read
         self._prefixed = listing.prefixed
+        found = (*self.listed, *listing.committed) if newest else listing.committed
+        self.listed = tuple(sorted(set(found)))
         return listing
 
     def steps(self) -> list[int]:
@@ -398,6 +404,8 @@ class OrbaxStore:
             _internals.forget_failed_save(self._mngr)
             raise
         _internals.wait_for_background_commit(self._mngr)
+        if (step := self._saving) is not None and step != self._noted:  # committed
+            self.listed, self._noted = tuple(sorted({*self.listed, step})), step
 
     def read_arrays(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
@@ -513,6 +521,7 @@ class OrbaxStore:
         if self._lock is not None:
             self._lock.check()
         self._packed = {k: v for k, v in self._packed.items() if k[0] != self.step_dir(step)}
+        self.listed = tuple(s for s in self.listed if s != step)
         if jax.process_index() == 0:
             if is_remote(self.directory):
                 (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")

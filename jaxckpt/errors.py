@@ -134,7 +134,8 @@ class SaveError(JaxckptError, RuntimeError):
     The failed step is not visible, unless `committed` is True: every process had written
     its part and the step committed, but something failed around it, e.g. a process that
     died before confirming the commit. Such a step is whole; a multi-host job whose process
-    died still has to restart.
+    died still has to restart. Where the store did not answer the listing that would tell
+    (`unlisted`, the store's error), the steps named are those it listed last.
     """
 
     def __init__(
@@ -145,12 +146,20 @@ class SaveError(JaxckptError, RuntimeError):
         *,
         background: bool = True,
         missing: Sequence[int] = (),
+        unlisted: BaseException | None = None,
     ):
         self.step = step
-        self.committed = step in committed
+        self.committed = step in committed and unlisted is None
         self.missing_processes = list(missing)
         when = " in the background" if background else ""
-        if self.committed:
+        if unlisted is not None:  # `committed`: as the store was last listed
+            fate = (
+                f"Whether step {step} committed is not known: the store did not answer a "
+                f"listing ({type(unlisted).__name__}). Steps committed before are intact; "
+                "as last listed:"
+            )
+            lost = " never reached the commit barrier: they probably died."
+        elif self.committed:
             fate = f"Step {step} committed all the same and is whole; committed steps:"
             lost = (
                 " never confirmed the commit: they probably died after writing their part;"
