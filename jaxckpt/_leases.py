@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt._storage import S3Config, bucket_and_key, s3_config
-from jaxckpt._store_errors import botocore_settings, gcs_call_settings, give_up_s
+from jaxckpt._store_errors import ATTEMPTS, botocore_settings, gcs_call_settings, give_up_s
 from jaxckpt.errors import ConfigError
 
 
@@ -50,7 +50,9 @@ class _LeaseObject:
         longer object is no lease jaxckpt wrote, and reads as the garbage it is."""
         raise NotImplementedError
 
-    def delete(self, version: Any) -> None:
+    def delete(self, version: Any, *, once: bool = False) -> None:
+        """`once`: one attempt, of at most a third of the give-up time (a writer's release:
+        a lease left behind expires by itself)."""
         raise NotImplementedError
 
     def server_now(self) -> datetime.datetime:
@@ -115,9 +117,9 @@ class _GcsObject(_LeaseObject):
         except (Conflict, FileNotFoundError):
             return None
 
-    def delete(self, version: Any) -> None:
+    def delete(self, version: Any, *, once: bool = False) -> None:
         with _gcs_errors():
-            self._blob().delete(if_generation_match=version, **gcs_call_settings())
+            self._blob().delete(if_generation_match=version, **gcs_call_settings(once=once))
 
     def server_now(self) -> datetime.datetime:
         probe = _gcs_client().bucket(self._bucket).blob(f"{self._name}.probe-{os.urandom(8).hex()}")
@@ -205,9 +207,10 @@ class _S3Object(_LeaseObject):
         except (Conflict, FileNotFoundError):
             return None
 
-    def delete(self, version: Any) -> None:
+    def delete(self, version: Any, *, once: bool = False) -> None:
         with _s3_errors():
-            _s3_client().delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+            client = _s3_client(attempts=1 if once else ATTEMPTS)
+            client.delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
 
     def server_now(self) -> datetime.datetime:
         with _s3_errors():
@@ -215,18 +218,19 @@ class _S3Object(_LeaseObject):
         return email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
 
 
-def _s3_client() -> Any:
-    return _s3_client_for(s3_config(), give_up_s())
+def _s3_client(attempts: int = ATTEMPTS) -> Any:
+    return _s3_client_for(s3_config(), give_up_s(), attempts)
 
 
 @functools.cache
-def _s3_client_for(config: S3Config, give_up_s: float) -> Any:
-    """A client of `config`'s endpoint that gives up in `give_up_s` (`_store_errors`)."""
+def _s3_client_for(config: S3Config, give_up_s: float, attempts: int) -> Any:
+    """A client of `config`'s endpoint that gives up in `give_up_s` (`_store_errors`),
+    trying each request `attempts` times, each for at most a third of it."""
     import boto3
     import botocore.config
 
     style = {"addressing_style": config.addressing_style} if config.addressing_style else None
-    settings = botocore.config.Config(s3=style, **botocore_settings(give_up_s))
+    settings = botocore.config.Config(s3=style, **botocore_settings(give_up_s, attempts))
     return boto3.session.Session().client("s3", region_name=config.region, config=settings)
 
 

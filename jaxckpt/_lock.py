@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from jaxckpt._layout import LOCK_FILE
 from jaxckpt._leases import Conflict, lease_object
 from jaxckpt._storage import file_kind, is_remote
+from jaxckpt._store_errors import ATTEMPTS, give_up_s
 from jaxckpt.errors import LockedError
 
 log = logging.getLogger("jaxckpt")
@@ -167,16 +168,26 @@ class ObjectLease:
             )
 
     def release(self) -> None:
+        """Stops the renewals and deletes the lease, waiting for a store that does not
+        answer at most two thirds of the give-up time in all: a third for a renewal in
+        flight (the renewer is a daemon thread; its request ends by itself), one attempt of
+        a third for the delete. A lease left behind expires by itself after its term."""
         if self._renewer is None:
             return
         self._stop.set()
-        self._renewer.join()
+        self._renewer.join(give_up_s() / ATTEMPTS)
         self._renewer = None
         if self._lost is None:
             try:  # only our own lease: a newer version is someone else's
-                self._object.delete(self._version)
+                self._object.delete(self._version, once=True)
             except (Conflict, OSError) as e:
-                log.warning("could not release the writer lease %s: %s", self.path, e)
+                log.warning(
+                    "could not release the writer lease %s (the next writer takes it over "
+                    "once %g s have passed since its last renewal): %s",
+                    self.path,
+                    self.lease_s,
+                    e,
+                )
 
     def _confirm(self) -> None:
         """Asks the server whether the lease is still ours; records who has it if not."""

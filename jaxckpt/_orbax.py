@@ -38,6 +38,7 @@ from jaxckpt import (
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote, open_inside, small_file_limit
+from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -169,6 +170,7 @@ class OrbaxStore:
             },
         )
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
+        self._closing = self._unanswered = False  # (`close`, `remove`)
         self._leftovers: list[concurrent.futures.Future] = []
         # Down to the newest committed step only: opening costs the same at any step count.
         listing = self.scan(newest=True)
@@ -535,7 +537,11 @@ class OrbaxStore:
         self._mngr.reload()
 
     def close(self) -> None:
+        """Waits for the save in flight and the deletions under way; once a deletion meets
+        a store that fails (does not answer, ...), the others are left to the next writer
+        (`remove`): the one in flight ends within the store's give-up time."""
         self._mngr.close()
+        self._closing = True
         self._deleter.shutdown(wait=True)
 
     def _discard(self, name: str) -> None:
@@ -561,7 +567,11 @@ class OrbaxStore:
 
     def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
         """Deletes a folder or object, in the deleter's thread; a failure is logged (the
-        next writer retries it)."""
+        next writer retries it). Once the store failed one while the store closes, none
+        more is tried (`close`)."""
+        if self._closing and self._unanswered:
+            log.warning("left %s, %s, to the next writer: the store failed", what, path)
+            return False
         try:
             if path.is_dir():
                 path.rmtree()
@@ -569,5 +579,6 @@ class OrbaxStore:
                 path.unlink(missing_ok=True)
             return True
         except Exception as e:
+            self._unanswered = self._unanswered or storage_error(self.directory, e) is not None
             log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
             return False
