@@ -132,15 +132,18 @@ def set_storage_timeout(_ctx: click.Context, _param, seconds: float | None) -> N
         os.environ[_store_errors.VARIABLE] = repr(seconds)
 
 
-# Before the command or after it, as -q.
+# Before the command or after it, as -q. A command on a store that does not answer ends
+# within SECONDS and the pauses between attempts (about 5 s), with a one-line error.
 STORAGE_TIMEOUT_OPTION = click.option(
+    "--timeout",
     "--storage-timeout",
     type=click.FloatRange(min=0, min_open=True),
     metavar="SECONDS",
     expose_value=False,
     callback=set_storage_timeout,
-    help=f"Give up on a gs:// or s3:// store that does not answer after SECONDS "
-    f"(default: ${_store_errors.VARIABLE}, else {_store_errors.DEFAULT_S:g}).",
+    help=f"Give up on a gs:// or s3:// store that does not answer after SECONDS and the "
+    f"pauses between attempts (default: ${_store_errors.VARIABLE}, else "
+    f"{_store_errors.DEFAULT_S:g}).",
 )
 
 
