@@ -156,7 +156,7 @@ def _gcs_errors() -> Iterator[None]:
         raise FileNotFoundError(str(e)) from e
     except exceptions.RequestRangeNotSatisfiable as e:
         raise _NoRange(str(e)) from e
-    except exceptions.GoogleAPICallError as e:
+    except (exceptions.GoogleAPICallError, exceptions.RetryError) as e:  # (retried too long)
         raise OSError(str(e)) from e
 
 
