@@ -419,7 +419,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------- restore
 
-    @naming_its_store("restoring")
+    @naming_its_store("restoring a step")
     def restore(
         self,
         step: int | None = None,

@@ -253,7 +253,7 @@ class Checkpoint:
 
     # ---------------------------------------------------------------------------- restore
 
-    @naming_its_store("reading")
+    @naming_its_store("reading a step")
     def read(
         self,
         step: int | None = None,
