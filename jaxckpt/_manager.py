@@ -24,7 +24,15 @@ from typing import Any
 import jax
 from etils import epath
 
-from jaxckpt import _agree, _internals, _iterators, _layout, _listing, _local, _orbax, _store_errors
+from jaxckpt import (
+    _agree,
+    _iterators,
+    _layout,
+    _listing,
+    _local,
+    _orbax,
+    _save_errors,
+)
 from jaxckpt._checks import check_json, check_step, gc_paused
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import MAX_LEASE_S, ObjectLease, WriterLock, writer_lock
@@ -527,36 +535,7 @@ class CheckpointManager:
             self._store.delete(old)
 
     def _save_error(self, step: int, error: Exception, *, background: bool) -> SaveError:
-        """The SaveError for `step`, worded from the directory once nothing of the step is
-        still running: Orbax may fail in the foreground after it started the step's commit
-        in the background (a barrier with a dead process), and that commit can still land.
-        A store that does not answer the listing is given up on after a third of the
-        give-up time: the error then names the steps as last listed."""
-        missing = getattr(error, "missing_processes", None) or _internals.missing_processes(error)
-        if not background:
-            try:
-                self._store.wait()  # bounded: each barrier in it times out after timeout_s
-            except Exception as late:
-                missing = sorted({*missing, *_internals.missing_processes(late)})
-        # A store that failed the save (did not answer, ...) named as StorageError does.
-        error = _store_errors.storage_error(self.directory, error, f"saving step {step}") or error
-        unlisted = None
-        try:
-            # One listing, and bounded (a third of the give-up time, in all): the store may
-            # be what failed the save, and an error path never waits on it long.
-            with _store_errors.within(_store_errors.give_up_s() / _store_errors.ATTEMPTS):
-                committed = self._store.steps()
-        except Exception as e:  # the steps as last listed, then
-            log.warning("could not list %s after the failed save: %s", self.directory, e)
-            committed, unlisted = list(self._store.listed), e
-        if self._lock is not None and unlisted is None:
-            try:  # a writer that took over may have removed the step's files: the real cause
-                self._lock.check()
-            except LockedError as lost:
-                error = lost
-        return SaveError(
-            step, error, committed, background=background, missing=missing, unlisted=unlisted
-        )
+        return _save_errors.save_error(self._store, self._lock, step, error, background=background)
 
     def _check_open(self, *, writing: bool = False) -> None:
         if self._closed:

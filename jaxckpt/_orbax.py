@@ -9,7 +9,6 @@ step is on disk is `jaxckpt._layout`'s.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -35,10 +34,10 @@ from jaxckpt import (
     _sizes,
     _transfer,
 )
+from jaxckpt._deleter import Deleter
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote, open_inside, small_file_limit
-from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -169,24 +168,12 @@ class OrbaxStore:
                 _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
             },
         )
-        self._deleter = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
-        self._closing = self._unanswered = False  # (`close`, `remove`)
-        self._leftovers: list[concurrent.futures.Future] = []
+        self._deleter = Deleter(self.directory)
         # Down to the newest committed step only: opening costs the same at any step count.
         listing = self.scan(newest=True)
         if not read_only and jax.process_index() == 0:
-            # In the background from start-up (a reader never deletes anything): saves that
-            # never committed (a killed process; on object storage, those above the newest
-            # committed step, as any other was there when a writer started after it), and
-            # deletions that never finished.
-            self._leftovers = [self._deleter.submit(self._discard, n) for n in listing.unfinished]
-            for name in listing.deleting:
-                if name.endswith(_layout.TOMBSTONE_SUFFIX):
-                    step = _layout.step_of(name.removesuffix(_layout.TOMBSTONE_SUFFIX))
-                    if step is not None:
-                        self._deleter.submit(self._remove_tombstoned, step)
-                else:
-                    self._deleter.submit(self.remove, self.directory / name)
+            # in the background from start-up (a reader never deletes anything)
+            self._deleter.resume(listing)
 
     def scan(self, *, newest: bool = False) -> _listing.Listing:
         """The directory as it is now (another process may have written or deleted);
@@ -255,7 +242,7 @@ class OrbaxStore:
         """Whether anything (committed, foreign, or Orbax's own) sits at the step's path."""
         # On object storage an unfinished save sits at its step's path: its removal, started
         # at start-up, ends first (a failed one is logged, and the next writer tries again).
-        concurrent.futures.wait(self._leftovers)
+        self._deleter.leftovers_removed()
         if self.step_dir(step).exists():
             return True
         # `checkpoint_<step>/`, say, below the newest step, which a newest-only scan did not
@@ -510,11 +497,8 @@ class OrbaxStore:
 
     def delete(self, step: int) -> None:
         """Removes a committed step from the listing now and deletes its files in the
-        background (off the save's blocking path). On process 0: on local disk the step
-        folder is renamed to `<step>.jaxckpt-deleting` (which no listing reads); on object
-        storage one `<step>.jaxckpt-tombstone` object is written, which hides the step until
-        its objects and then the tombstone are deleted. A writer that lost its lock
-        deletes nothing (LockedError)."""
+        background (process 0's `Deleter`), off the save's blocking path. A writer that lost
+        its lock deletes nothing (LockedError)."""
         if self.is_orbax(step):
             raise ConfigError(
                 f"step {step} in {self.directory} was written by plain Orbax; jaxckpt never "
@@ -525,60 +509,12 @@ class OrbaxStore:
         self._packed = {k: v for k, v in self._packed.items() if k[0] != self.step_dir(step)}
         self.listed = tuple(s for s in self.listed if s != step)
         if jax.process_index() == 0:
-            if is_remote(self.directory):
-                (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")
-                self._deleter.submit(self._remove_tombstoned, step)
-            else:
-                doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
-                self.step_dir(step).rename(doomed)
-                self._deleter.submit(self.remove, doomed)
+            self._deleter.delete(step)
         with _agree.deadline(f"the deletion of step {step}", self.timeout_s):
             _agree.barrier()
         self._mngr.reload()
 
     def close(self) -> None:
-        """Waits for the save in flight and the deletions under way; once a deletion meets
-        a store that fails (does not answer, ...), the others are left to the next writer
-        (`remove`): the one in flight ends within the store's give-up time."""
+        """Waits for the save in flight and the deletions under way (`Deleter.close`)."""
         self._mngr.close()
-        self._closing = True
-        self._deleter.shutdown(wait=True)
-
-    def _discard(self, name: str) -> None:
-        """An unfinished save's leftovers. On local disk the folder is renamed aside first:
-        a writer that lost its lock (its lock file deleted) may still be finishing that
-        save, and its rename to `<step>` then either wins (a whole step) or fails, never
-        committing a folder half deleted under it."""
-        doomed = self.directory / name
-        if not is_remote(self.directory):
-            try:
-                doomed = doomed.rename(self.directory / f"{name}{_layout.DELETING_SUFFIX}")
-            except FileNotFoundError:
-                return  # committed (or removed) by whoever was still writing it
-            except OSError as e:
-                log.warning("could not set aside an unfinished save, %s: %s", doomed, e)
-                return
-        self.remove(doomed, "an unfinished save's leftovers")
-
-    def _remove_tombstoned(self, step: int) -> None:
-        """The step's objects, then its tombstone (kept, and retried later, on failure)."""
-        if self.remove(self.step_dir(step)):
-            self.remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
-
-    def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
-        """Deletes a folder or object, in the deleter's thread; a failure is logged (the
-        next writer retries it). Once the store failed one while the store closes, none
-        more is tried (`close`)."""
-        if self._closing and self._unanswered:
-            log.warning("left %s, %s, to the next writer: the store failed", what, path)
-            return False
-        try:
-            if path.is_dir():
-                path.rmtree()
-            else:
-                path.unlink(missing_ok=True)
-            return True
-        except Exception as e:
-            self._unanswered = self._unanswered or storage_error(self.directory, e) is not None
-            log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
-            return False
+        self._deleter.close()

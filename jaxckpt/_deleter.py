@@ -1,0 +1,106 @@
+"""Deletions in the background, off the save's blocking path, on process 0 of a writer: a
+deleted step's files, unfinished saves' leftovers and deletions an earlier writer never
+finished. One thread; a failure is logged, and the next writer tries again.
+
+A step leaves the listing before its files go: on local disk its folder is renamed to
+`<step>.jaxckpt-deleting` (which no listing reads); on object storage one
+`<step>.jaxckpt-tombstone` object hides it until its objects, and then the tombstone, are
+deleted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+from etils import epath
+
+from jaxckpt import _layout, _listing
+from jaxckpt._storage import is_remote
+from jaxckpt._store_errors import storage_error
+
+log = logging.getLogger("jaxckpt")
+
+
+class Deleter:
+    """The background deletions of one directory."""
+
+    def __init__(self, directory: epath.Path):
+        self.directory = directory
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
+        self._closing = self._unanswered = False  # (`close`, `remove`)
+        self._leftovers: list[concurrent.futures.Future] = []
+
+    def resume(self, listing: _listing.Listing) -> None:
+        """What a listing at start-up found left: saves that never committed (a killed
+        process; on object storage, those above the newest committed step, as any other was
+        there when a writer started after it), and deletions that never finished."""
+        self._leftovers = [self._pool.submit(self._discard, n) for n in listing.unfinished]
+        for name in listing.deleting:
+            if name.endswith(_layout.TOMBSTONE_SUFFIX):
+                step = _layout.step_of(name.removesuffix(_layout.TOMBSTONE_SUFFIX))
+                if step is not None:
+                    self._pool.submit(self._remove_tombstoned, step)
+            else:
+                self._pool.submit(self.remove, self.directory / name)
+
+    def leftovers_removed(self) -> None:
+        """Waits until the unfinished saves found at start-up are removed (or failed)."""
+        concurrent.futures.wait(self._leftovers)
+
+    def delete(self, step: int) -> None:
+        """Takes a committed step jaxckpt wrote out of the listing now (see the module's
+        docstring); its files go in the background."""
+        if is_remote(self.directory):
+            (self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}").write_bytes(b"")
+            self._pool.submit(self._remove_tombstoned, step)
+        else:
+            doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
+            (self.directory / str(step)).rename(doomed)
+            self._pool.submit(self.remove, doomed)
+
+    def close(self) -> None:
+        """Waits for the deletions under way; once one meets a store that fails (does not
+        answer, ...), the others are left to the next writer (`remove`): the one in flight
+        ends within the store's give-up time."""
+        self._closing = True
+        self._pool.shutdown(wait=True)
+
+    def _discard(self, name: str) -> None:
+        """An unfinished save's leftovers. On local disk the folder is renamed aside first:
+        a writer that lost its lock (its lock file deleted) may still be finishing that
+        save, and its rename to `<step>` then either wins (a whole step) or fails, never
+        committing a folder half deleted under it."""
+        doomed = self.directory / name
+        if not is_remote(self.directory):
+            try:
+                doomed = doomed.rename(self.directory / f"{name}{_layout.DELETING_SUFFIX}")
+            except FileNotFoundError:
+                return  # committed (or removed) by whoever was still writing it
+            except OSError as e:
+                log.warning("could not set aside an unfinished save, %s: %s", doomed, e)
+                return
+        self.remove(doomed, "an unfinished save's leftovers")
+
+    def _remove_tombstoned(self, step: int) -> None:
+        """The step's objects, then its tombstone (kept, and retried later, on failure)."""
+        if self.remove(self.directory / str(step)):
+            self.remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
+
+    def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
+        """Deletes a folder or object, in the deleter's thread; a failure is logged (the
+        next writer retries it). Once the store failed one while the store closes, none
+        more is tried (`close`)."""
+        if self._closing and self._unanswered:
+            log.warning("left %s, %s, to the next writer: the store failed", what, path)
+            return False
+        try:
+            if path.is_dir():
+                path.rmtree()
+            else:
+                path.unlink(missing_ok=True)
+            return True
+        except Exception as e:
+            self._unanswered = self._unanswered or storage_error(self.directory, e) is not None
+            log.warning("could not remove %s, %s (retried by the next writer): %s", what, path, e)
+            return False
