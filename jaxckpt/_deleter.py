@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable
 
 from etils import epath
 
@@ -20,13 +21,19 @@ from jaxckpt._storage import is_remote
 from jaxckpt._store_errors import storage_error
 
 log = logging.getLogger("jaxckpt")
+_DELETED = "a deleted step's files"
 
 
 class Deleter:
-    """The background deletions of one directory."""
+    """The background deletions of one directory; each folder or object deleted through
+    `remove` (the store's, a seam a faulty store slows or fails; `Deleter.remove` itself
+    unless given)."""
 
-    def __init__(self, directory: epath.Path):
+    def __init__(
+        self, directory: epath.Path, remove: Callable[[epath.Path, str], bool] | None = None
+    ):
         self.directory = directory
+        self._remove = remove or self.remove
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-delete")
         self._closing = self._unanswered = False  # (`close`, `remove`)
         self._leftovers: list[concurrent.futures.Future] = []
@@ -42,7 +49,7 @@ class Deleter:
                 if step is not None:
                     self._pool.submit(self._remove_tombstoned, step)
             else:
-                self._pool.submit(self.remove, self.directory / name)
+                self._pool.submit(self._remove, self.directory / name, _DELETED)
 
     def leftovers_removed(self) -> None:
         """Waits until the unfinished saves found at start-up are removed (or failed)."""
@@ -57,7 +64,7 @@ class Deleter:
         else:
             doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
             (self.directory / str(step)).rename(doomed)
-            self._pool.submit(self.remove, doomed)
+            self._pool.submit(self._remove, doomed, _DELETED)
 
     def close(self) -> None:
         """Waits for the deletions under way; once one meets a store that fails (does not
@@ -80,14 +87,14 @@ class Deleter:
             except OSError as e:
                 log.warning("could not set aside an unfinished save, %s: %s", doomed, e)
                 return
-        self.remove(doomed, "an unfinished save's leftovers")
+        self._remove(doomed, "an unfinished save's leftovers")
 
     def _remove_tombstoned(self, step: int) -> None:
         """The step's objects, then its tombstone (kept, and retried later, on failure)."""
-        if self.remove(self.directory / str(step)):
-            self.remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}")
+        if self._remove(self.directory / str(step), _DELETED):
+            self._remove(self.directory / f"{step}{_layout.TOMBSTONE_SUFFIX}", _DELETED)
 
-    def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
+    def remove(self, path: epath.Path, what: str = _DELETED) -> bool:
         """Deletes a folder or object, in the deleter's thread; a failure is logged (the
         next writer retries it). Once the store failed one while the store closes, none
         more is tried (`close`)."""

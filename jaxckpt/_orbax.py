@@ -168,7 +168,7 @@ class OrbaxStore:
                 _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
             },
         )
-        self._deleter = Deleter(self.directory)
+        self._deleter = Deleter(self.directory, self.remove)
         # Down to the newest committed step only: opening costs the same at any step count.
         listing = self.scan(newest=True)
         if not read_only and jax.process_index() == 0:
@@ -518,3 +518,8 @@ class OrbaxStore:
         """Waits for the save in flight and the deletions under way (`Deleter.close`)."""
         self._mngr.close()
         self._deleter.close()
+
+    def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
+        """Deletes a folder or object, in the deleter's thread (`Deleter.remove`; a seam of
+        this class, which a faulty store slows or fails)."""
+        return self._deleter.remove(path, what)
