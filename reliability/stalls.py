@@ -1,12 +1,19 @@
-"""Stall trials of `reliability.stress`: one process of a 2-process job stops (SIGSTOP: a
-host stuck in a driver call, on a dead mount) at a seeded point, and the other must end in
-jaxckpt's named error by the deadline its call states (`timeout_s`), naming the stopped
-process; then the stopped one is killed and the recovery checks run (`stress.check`).
+"""Stall trials of `reliability.stress`, each followed by the recovery checks
+(`stress.check`):
 
-The stopped process is always process 1: process 0 hosts JAX's coordination service, and
-a stopped process 0 ends the job by JAX's heartbeat timeout instead (docs/deadlines.md).
+* one process of a 2-process job stops (SIGSTOP: a host stuck in a driver call, on a dead
+  mount) at a seeded point, and the other must end in jaxckpt's named error by the deadline
+  its call states (`timeout_s`), naming the stopped process; then the stopped one is
+  killed. The stopped process is always process 1: process 0 hosts JAX's coordination
+  service, and a stopped process 0 ends the job by JAX's heartbeat timeout instead
+  (docs/deadlines.md);
+* the store's server (fake-gcs-server, moto's S3 server) stops answering (SIGSTOP) at a
+  seeded point of a writer's: its save's background, its restore's read, its close; the
+  call must end by the give-up time's bound (`JAXCKPT_STORAGE_TIMEOUT_S`), named; then the
+  server resumes.
 
     python -m reliability.stalls DIRECTORY PROCESS_ID PORT WHERE STEP   (one process of a trial)
+    python -m reliability.stalls store URL SERVER_PID WHERE STEP        (a writer of a store's)
 """
 
 from __future__ import annotations
@@ -19,8 +26,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from reliability import launch
+
+STORE_TIMEOUT_S = 6  # the store trials' JAXCKPT_STORAGE_TIMEOUT_S
+STORE_WHERES = {
+    "save": ("its save's background writes", "SaveError"),
+    "restore": ("its restore's read", "StorageError"),
+    "close": ("its close()", None),
+}
 
 TIMEOUT_S = 5  # the writers' timeout_s
 SLACK_S = 10  # on top of it: wording the error on a loaded machine
@@ -68,6 +83,97 @@ def trials(seed: int, n: int) -> list[tuple[str, int, str]]:
     ]
 
 
+def store_trials(seed: int, n: int) -> list[tuple[str, int, str]]:
+    """`n` seeded trials of a store that stops answering: half on gs://, half on s3://,
+    each store's server started once (the clients of this process keep their endpoint)."""
+    from reliability import gcs, s3
+    from reliability.stress import check
+
+    rng = random.Random(seed)
+    failures, seconds = [], []
+    tried = {where: 0 for where in STORE_WHERES}
+    env = {"JAXCKPT_STORAGE_TIMEOUT_S": str(STORE_TIMEOUT_S)}
+    for store, server, trials_here in (("gs", gcs, (n + 1) // 2), ("s3", s3, n // 2)):
+        saved = dict(os.environ)
+        os.environ.update(server.LOOPBACK_ENV | env)
+        with tempfile.TemporaryDirectory(prefix=f"jaxckpt-stall-{store}-") as log_dir:
+            proc, endpoint = server.start(Path(log_dir) / "server.log")
+            os.environ.update(server.point_at(endpoint))
+            try:
+                for i in range(trials_here):
+                    where, step = rng.choice(list(STORE_WHERES)), rng.randint(2, 3)
+                    tried[where] += 1
+                    url = f"{store}://{server.BUCKET}/stall-{seed}-{i}"
+                    try:
+                        seconds.append(_store_trial(url, proc.pid, where, step))
+                        check(url)
+                    except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
+                        failures.append(f"{store}, {where} at step {step}: {e}")
+                    print(f"{store} stall {i + 1}/{trials_here}: {len(failures)} failures")
+            finally:
+                os.killpg(proc.pid, signal.SIGCONT)
+                server.stop(proc)
+                os.environ.clear()
+                os.environ.update(saved)
+    fault = (
+        "gs:// and s3:// in turn: the server stopped (SIGSTOP) at a seeded point ("
+        + ", ".join(f"{STORE_WHERES[w][0]}: {k}" for w, k in tried.items())
+        + f"), JAXCKPT_STORAGE_TIMEOUT_S={STORE_TIMEOUT_S}, then resumed"
+    )
+    if not n:
+        return [(fault, 0, "not run")]
+    if failures:
+        return [(fault, n, f"FAILED {len(failures)}: " + "; ".join(failures[:3]))]
+    return [
+        (
+            fault,
+            n,
+            "the save's wait() raised SaveError and the restore StorageError, each naming "
+            f"the store, close() returned; after {min(seconds):.1f}-{max(seconds):.1f} s. "
+            "Once the server resumed, every committed step verified and restored, and a new "
+            "writer saved the next one",
+        )
+    ]
+
+
+def _store_trial(url: str, server_pid: int, where: str, step: int) -> float:
+    """One trial on a store: the seconds the call waited before it ended as it must."""
+    proc = launch.start(
+        "-m",
+        "reliability.stalls",
+        "store",
+        url,
+        server_pid,
+        where,
+        step,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        report = _result(proc)
+        assert report["type"] == STORE_WHERES[where][1], report
+        if report["type"] is not None:
+            assert "the store at" in report["error"] or "did not answer" in report["error"], report
+        # the give-up time, its pauses and a third of it for the listing that words a
+        # SaveError, and slack for a loaded machine
+        assert report["seconds"] < 2 * STORE_TIMEOUT_S + SLACK_S, report
+        return float(report["seconds"])
+    finally:
+        os.killpg(server_pid, signal.SIGCONT)  # (the child resumes it too, unless it died)
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    """The `RESULT {json}` line `proc` prints (skipping gloo's chatter), within 240 s."""
+    deadline, line = time.monotonic() + 240, ""
+    while not line.startswith("RESULT "):
+        line = launch.readline(proc, timeout=max(0.0, deadline - time.monotonic()))
+        assert line, f"{launch.describe(proc)} exited without a result"
+    return dict(json.loads(line[len("RESULT ") :]))
+
+
 def _trial(directory: str, where: str, step: int) -> float:
     """One trial: the seconds process 0 waited before its named error."""
     port = launch.free_port()
@@ -87,11 +193,7 @@ def _trial(directory: str, where: str, step: int) -> float:
         for i in range(2)
     ]
     try:
-        deadline, line = time.monotonic() + 240, ""  # start-up, saves, then the deadline
-        while not line.startswith("RESULT "):  # (skip gloo's chatter)
-            line = launch.readline(procs[0], timeout=max(0.0, deadline - time.monotonic()))
-            assert line, "process 0 exited without a result"
-        report = json.loads(line[len("RESULT ") :])
+        report = _result(procs[0])  # start-up, saves, then the deadline
         assert report.get("missing") == [1], report
         assert report["type"] in ("SaveError", "ProcessesMissingError"), report
         assert report["seconds"] < TIMEOUT_S + SLACK_S, report
@@ -152,5 +254,55 @@ def _child() -> None:
     os._exit(0)  # not JAX's shutdown barrier, which would wait for the stopped process
 
 
+def _store_child() -> None:
+    """A writer of a store trial: saves steps 1 to STEP - 1, then stops the store's server
+    at WHERE (through the manager's `store=` seam) and prints what the call raised, and
+    how soon; the server is resumed before it leaves."""
+    url, server, where, last = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_platforms", "cpu")
+    import jaxckpt
+    from reliability import faults
+    from reliability.stress import N, expected
+
+    def freeze() -> None:
+        os.killpg(server, signal.SIGSTOP)
+
+    def save_then_freeze(real, info, *args, **kwargs):
+        real(info, *args, **kwargs)
+        if info.step == last and where == "save":  # its background writes to a frozen store
+            freeze()
+
+    def freeze_then_read(real, *args, **kwargs):
+        if where == "restore":
+            freeze()
+        return real(*args, **kwargs)
+
+    store = faults.store(save=save_then_freeze, read_arrays=freeze_then_read)
+    m = jaxckpt.CheckpointManager(url, writer_lease_s=2, store=store)
+    for step in range(1, last):
+        m.save(step, state={"x": expected(step)}, meta={"step": step})
+    m.wait()
+    t0 = time.monotonic()
+    try:
+        if where == "save":
+            m.save(last, state={"x": expected(last)}, meta={"step": last})
+            m.wait()
+        elif where == "restore":
+            m.restore(state={"x": np.zeros(N, np.float32)})
+        else:
+            freeze()
+            m.close()
+        report: dict = {"type": None}
+    except jaxckpt.errors.JaxckptError as e:
+        report = {"type": type(e).__name__, "error": str(e)}
+    report["seconds"] = time.monotonic() - t0
+    os.killpg(server, signal.SIGCONT)
+    print("RESULT " + json.dumps(report), flush=True)
+    os._exit(0)  # (threads left waiting on the store that froze are not waited for)
+
+
 if __name__ == "__main__":
-    _child()
+    _store_child() if sys.argv[1] == "store" else _child()

@@ -399,7 +399,7 @@ def main() -> int:
     parser.add_argument("--lease-trials", type=int, default=4, help="per object store")
     parser.add_argument("--hostile-trials", type=int, default=10)
     parser.add_argument("--local-trials", type=int, default=10)
-    parser.add_argument("--stall-trials", type=int, default=6)
+    parser.add_argument("--stall-trials", type=int, default=6, help="of processes; of stores")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "RELIABILITY.md")
     args = parser.parse_args()
@@ -434,7 +434,10 @@ def main() -> int:
         )
     from reliability import stalls
 
-    stall_rows = stalls.trials(args.seed + 6000, args.stall_trials)
+    stall_rows = [
+        *stalls.trials(args.seed + 6000, args.stall_trials),
+        *stalls.store_trials(args.seed + 7000, args.stall_trials),
+    ]
     corruptions = corruption_trials()
     hostile_rows = hostile_trials(args.seed, args.hostile_trials)
 
