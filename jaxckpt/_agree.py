@@ -21,7 +21,7 @@ import contextvars
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 
@@ -107,6 +107,20 @@ def refusing(problem: str | None) -> list[int]:
         _publish(name, problem)
     _meet(name)
     return sorted(int(key.rsplit("/", 1)[1]) for key in _internals.published(name))
+
+
+def together(attempt: Callable[[], object]) -> list[int]:
+    """`attempt()` on every process, then agreed whether it failed anywhere: this process's
+    own error raised here, else the processes whose attempt failed (empty: none did)."""
+    failed = None
+    try:
+        attempt()
+    except Exception as e:
+        failed = e
+    refused = refusing(None if failed is None else type(failed).__name__)
+    if failed is not None:
+        raise failed
+    return refused
 
 
 def gather(value: str) -> list[str]:

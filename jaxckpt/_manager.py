@@ -206,19 +206,16 @@ class CheckpointManager:
         """The writer's lock, taken by process 0, and every process agreed that it was:
         when it was not, the others raise too, rather than wait in Orbax's first barrier
         for a process 0 that left."""
-        failed = None
-        if not self._read_only and jax.process_index() == 0:
-            try:
+
+        def take() -> None:
+            if not self._read_only and jax.process_index() == 0:
                 self._lock = writer_lock(directory, lease_s)
                 if self._lock is not None:
                     self._lock.acquire()
                     undo.callback(self._lock.release)
-            except Exception as e:
-                failed = e
+
         with _agree.deadline("the opening of the manager", timeout_s):
-            refused = _agree.refusing(None if failed is None else type(failed).__name__)
-        if failed is not None:
-            raise failed
+            refused = _agree.together(take)
         if refused:
             raise LockedError(
                 f"process 0 could not take the writer lock of {directory} (its error says "

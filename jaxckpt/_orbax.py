@@ -313,15 +313,9 @@ class OrbaxStore:
     def _agree_to_save(self, step: int) -> None:
         """Step 1 of the commit protocol (`save`): the writer's lock asked (by process 0,
         which holds it), and every process agreed to start, or none starts."""
-        lost = None
-        if self._lock is not None:
-            try:
-                self._lock.check()
-            except Exception as e:  # LockedError, or the lease's store failing
-                lost = e
-        refused = _agree.refusing(None if lost is None else type(lost).__name__)
-        if lost is not None:
-            raise lost
+        lock = self._lock
+        # LockedError, or the lease's store failing, raised on this process
+        refused = _agree.together(lambda: lock is None or lock.check())
         if refused:
             raise LockedError(
                 f"process(es) {refused} could not confirm the writer lock of {self.directory}"

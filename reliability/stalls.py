@@ -27,10 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from reliability import launch
 
+Row = tuple[str, int, str]  # a row of RELIABILITY.md's table: fault, trials, result
 STORE_TIMEOUT_S = 6  # the store trials' JAXCKPT_STORAGE_TIMEOUT_S
 STORE_WHERES = {
     "save": ("its save's background writes", "SaveError"),
@@ -47,7 +49,7 @@ WHERES = {
 }
 
 
-def trials(seed: int, n: int) -> list[tuple[str, int, str]]:
+def trials(seed: int, n: int) -> list[Row]:
     """`n` seeded stall trials, as rows of RELIABILITY.md's table (fault, trials, result)."""
     from reliability.stress import check
 
@@ -68,23 +70,20 @@ def trials(seed: int, n: int) -> list[tuple[str, int, str]]:
         + ", ".join(f"{WHERES[w]}: {k}" for w, k in tried.items())
         + f"), timeout_s={TIMEOUT_S}"
     )
-    if not n:
-        return [(fault, 0, "not run")]
-    if failures:
-        return [(fault, n, f"FAILED {len(failures)}: " + "; ".join(failures[:3]))]
-    return [
-        (
-            fault,
-            n,
+    return _row(
+        fault,
+        n,
+        failures,
+        lambda: (
             "the other process raised the named error (SaveError or ProcessesMissingError) "
             f"naming process 1 after {min(seconds):.1f}-{max(seconds):.1f} s; once the stopped "
             "one was killed, every committed step verified and restored, and a new writer "
-            "saved the next one",
-        )
-    ]
+            "saved the next one"
+        ),
+    )
 
 
-def store_trials(seed: int, n: int) -> list[tuple[str, int, str]]:
+def store_trials(seed: int, n: int) -> list[Row]:
     """`n` seeded trials of a store that stops answering: half on gs://, half on s3://,
     each store's server started once (the clients of this process keep their endpoint)."""
     from reliability import gcs, s3
@@ -131,20 +130,26 @@ def store_trials(seed: int, n: int) -> list[tuple[str, int, str]]:
         + ", ".join(f"{STORE_WHERES[w][0]}: {k}" for w, k in tried.items())
         + f"), JAXCKPT_STORAGE_TIMEOUT_S={STORE_TIMEOUT_S}, then resumed"
     )
+    return _row(
+        fault,
+        n,
+        failures,
+        lambda: (
+            "the save's wait() raised SaveError and the restore StorageError, each naming "
+            f"the store, close() returned; after {min(seconds):.1f}-{max(seconds):.1f} s. "
+            "Once the server resumed, every committed step verified and restored, and a new "
+            "writer saved the next one"
+        ),
+    )
+
+
+def _row(fault: str, n: int, failures: list[str], ok: Callable[[], str]) -> list[Row]:
+    """The report's row: `ok()` when all `n` trials recovered."""
     if not n:
         return [(fault, 0, "not run")]
     if failures:
         return [(fault, n, f"FAILED {len(failures)}: " + "; ".join(failures[:3]))]
-    return [
-        (
-            fault,
-            n,
-            "the save's wait() raised SaveError and the restore StorageError, each naming "
-            f"the store, close() returned; after {min(seconds):.1f}-{max(seconds):.1f} s. "
-            "Once the server resumed, every committed step verified and restored, and a new "
-            "writer saved the next one",
-        )
-    ]
+    return [(fault, n, ok())]
 
 
 def _store_trial(url: str, server_pid: int, where: str, step: int) -> float:
