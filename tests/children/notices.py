@@ -103,9 +103,10 @@ def stopped_every_seconds(job: Job) -> None:
 
 
 def every_seconds(job: Job) -> dict:
-    """`every_seconds` in 40 steps, by process 0's clock alone (one second a step there;
-    process 1's clock stands still): the steps each process saved, and how many keys of
-    the agreements are left in the coordination service."""
+    """`every_seconds` in 40 steps, met by both processes (a barrier each), by process 0's
+    clock alone (one second a step there; process 1's clock stands still): the steps each
+    process saved, and how many keys of the agreements are left in the coordination
+    service."""
     step_now = [0]
     first = job.process_id == 0
     m = jaxckpt.CheckpointManager(
@@ -116,7 +117,9 @@ def every_seconds(job: Job) -> dict:
     saved = []
     for step in range(1, 41):
         step_now[0] = step
-        time.sleep(0.01)
+        # the processes in step, as a training step's collectives keep them: neither runs
+        # more than a step ahead, whatever the machine's load
+        _internals.barrier(f"test/every_seconds/{step}", 60_000)
         if m.should_save(step):
             m.save(step, state=_state(step))
             saved.append(step)
