@@ -125,7 +125,6 @@ class Peers:
         self._check, self._tried, self._keep = check, tried, keep
         self._key = secrets.token_bytes(16)
         self._server = socket.create_server((address, 0))
-        self._server.settimeout(1.0)
         self._closed = threading.Event()
         self._lock = threading.Lock()  # the copies' folders, and who put what since start:
         self._fresh: set[tuple[int, int]] = set()  # (owner, step)
@@ -138,6 +137,8 @@ class Peers:
     def close(self) -> None:
         """Stops listening; a put or get in flight is cut off."""
         self._closed.set()
+        with contextlib.suppress(OSError):  # wakes the listener's accept(), which then stops
+            socket.create_connection(self._server.getsockname()[:2], timeout=1.0).close()
         with self._lock:
             for conn in self._open:
                 with contextlib.suppress(OSError):
@@ -226,13 +227,14 @@ class Peers:
     # ------------------------------------------------------------------------- server
 
     def _listen(self) -> None:
-        while not self._closed.is_set():
+        while True:
             try:
                 conn, _ = self._server.accept()
-            except TimeoutError:
-                continue
             except OSError:
                 return  # closed
+            if self._closed.is_set():  # (close's own connection, to wake this up)
+                conn.close()
+                return
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
