@@ -30,8 +30,12 @@ demo: $(STAMP)
 test: $(STAMP) $(OLD_STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint docs pytest
 
+# Three workers on two cores: much of the suite's time is waiting (on a deadline, a
+# lease's term, a server), which a third worker fills. The tests marked one_job_at_a_time
+# (tests/multihost.py) run on one of them, one after another, from the start (in the order
+# collected, not largest group first: theirs is the longest); docs/development.md says more.
 pytest: $(STAMP) $(OLD_STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n 3 --dist loadgroup --no-loadscope-reorder
 
 # The documentation site, into site/: strict (mkdocs.yml), so a broken link, a missing
 # anchor, a page left out of the nav or an unknown API name fails the build (never --quiet:
@@ -67,4 +71,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) $(OLD_ORBAX) runs site .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(OLD_ORBAX) runs site .jax-cache .pytest_cache .ruff_cache .mypy_cache

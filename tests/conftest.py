@@ -12,8 +12,23 @@ import pytest
 
 from reliability import gcs, launch, s3
 
+REPO = Path(__file__).resolve().parent.parent
+
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+# What XLA compiles is kept in one cache on disk, shared by this process, the other test
+# workers and every child interpreter and job process (they inherit the environment): the
+# same training step compiled by dozens of fresh processes is compiled once a machine. A
+# hit is the executable the compile would have made, so no claim changes: a fresh
+# interpreter is still fresh, only its compile is skipped. (`make clean` removes it.)
+COMPILE_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 30),
+}
+os.environ.update(COMPILE_CACHE)
+for name, value in COMPILE_CACHE.items():
+    jax.config.update(name.lower(), int(value) if value.isdigit() else value)
 os.environ.update(gcs.LOOPBACK_ENV)  # before gcsfs or google-auth is imported
 os.environ.update(s3.LOOPBACK_ENV)  # before boto3 or s3fs make a client
 # The dispositions the preemption tests (and their children, which inherit them) rely on,
@@ -23,7 +38,6 @@ os.environ.update(s3.LOOPBACK_ENV)  # before boto3 or s3fs make a client
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-REPO = Path(__file__).resolve().parent.parent
 collect_ignore = ["old_orbax"]  # run by an old Orbax's own Python (tests/test_from_orbax.py)
 
 
@@ -139,3 +153,48 @@ def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs):
             f"\n--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+# Modules whose module-scoped fixtures cost a child process or a training run: each one's
+# tests run on one of `make test`'s workers, so that each fixture is made once, not once
+# per worker (tests marked one_job_at_a_time stay in their own group).
+ONE_WORKER_MODULES = {
+    "test_bounded_reads",
+    "test_cli",
+    "test_cli_escapes",
+    "test_cli_messages",
+    "test_from_orbax",
+    "test_hf",
+    "test_hf_complex",
+    "test_hf_select",
+    "test_hostile",
+    "test_packed_hostile",
+    "test_resume_exact",
+    "test_wheel",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.path.stem
+        if module in ONE_WORKER_MODULES and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+def pytest_collection_finish(session):
+    """`make test`'s workers (--dist loadgroup) must keep the tests marked
+    one_job_at_a_time (tests/multihost.py) on one worker; pytest-xdist marks each such
+    test's id with its group, and where a pytest release stops that (pytest-xdist#1386) the
+    jobs would run side by side on two cores, each past the timeouts it was written for."""
+    if getattr(session.config.option, "loadgroup", False):
+        ungrouped = [
+            item.nodeid
+            for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+        ]
+        if ungrouped:
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {len(ungrouped)} tests marked xdist_group (first: "
+                f"{ungrouped[0]}); install the pytest version pyproject.toml pins"
+            )

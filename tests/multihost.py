@@ -13,7 +13,14 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
+
 from reliability import launch
+
+# Marks a test that runs multi-process jobs: `make test`'s parallel workers (pytest-xdist,
+# --dist loadgroup) run every test so marked on one worker, one after another, so that two
+# jobs never share this machine's cores (each test's timeouts assume its job has them).
+one_job_at_a_time = pytest.mark.xdist_group("multi-process-jobs")
 
 
 @dataclass

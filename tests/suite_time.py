@@ -6,7 +6,9 @@
 A file's kind is the costliest way its tests run, read from its source: a multi-process job
 (`run_job`: N JAX processes, gloo start-up each), an object-storage emulator (the `bucket`,
 `gcs_server` or `s3_server` fixtures), a child interpreter (`launch`, `run_python`,
-`subprocess`) or in-process only.
+`subprocess`) or in-process only. On `make test`'s parallel workers the seconds are each
+worker's, summed; a group's tests (`test_id@group`: pytest-xdist's --dist loadgroup) run
+one after another on one worker, so the longest group is the least the run can take.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LINE = re.compile(r"^(\d+\.\d+)s (setup|call|teardown)\s+(tests/[\w/]+\.py)::(\S+)")
+LINE = re.compile(r"^(\d+\.\d+)s (setup|call|teardown)\s+(tests/[\w/]+\.py)::(\S+?)(@[\w-]+)?$")
 KINDS = (
     ("multi-process job", ("run_job(",)),
     ("object-storage emulator", ("bucket", "gcs_server", "s3_server")),
@@ -36,11 +38,14 @@ def kind(path: Path) -> str:
 def main(log: str) -> None:
     seconds: dict[str, float] = defaultdict(float)
     tests: dict[str, set[str]] = defaultdict(set)
+    groups: dict[str, float] = defaultdict(float)
     for line in Path(log).read_text().splitlines():
         if found := LINE.match(line):
-            took, _, file, test = found.groups()
+            took, _, file, test, group = found.groups()
             seconds[file] += float(took)
             tests[file].add(test)
+            if group:
+                groups[group[1:]] += float(took)
     total = sum(seconds.values())
     by_kind: dict[str, float] = defaultdict(float)
     rows = []
@@ -54,6 +59,10 @@ def main(log: str) -> None:
     print(f"| all ({sum(len(t) for t in tests.values())} tests) | {total:.0f} | 100% |\n")
     print("| file | tests | s | share | kind |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
+    if groups:
+        print("\n| group (one worker, one test after another) | s |\n| --- | --- |")
+        for group, took in sorted(groups.items(), key=lambda kv: -kv[1]):
+            print(f"| `{group}` | {took:.0f} |")
 
 
 if __name__ == "__main__":

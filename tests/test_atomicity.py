@@ -11,6 +11,7 @@ import os
 import subprocess
 
 import pytest
+from multihost import one_job_at_a_time
 
 from reliability import launch
 from reliability.stress import N, Tally, check, kill_trial
@@ -31,7 +32,10 @@ def test_kill_while_a_save_is_in_flight(tmp_path):
     assert steps == [1] and leftover
 
 
-@pytest.mark.parametrize(("seed", "processes"), [(0, 1), (1, 1), (2, 1), (1000, 2)])
+@pytest.mark.parametrize(
+    ("seed", "processes"),
+    [(0, 1), (1, 1), (2, 1), pytest.param(1000, 2, marks=one_job_at_a_time)],
+)
 def test_kill_at_a_random_moment_of_a_save_loop(seed, processes):
     # The stress script's trial (python -m reliability.stress runs 30 + 6 of them).
     tally = Tally()

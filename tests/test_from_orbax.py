@@ -17,7 +17,7 @@ from children import orbax_written
 from click.testing import CliRunner
 from etils import epath
 from jax.sharding import PartitionSpec as P
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
 from conftest import REPO
@@ -356,6 +356,7 @@ def test_a_writer_refuses_a_bare_orbax_checkpoint(tmp_path, mesh):
 # ------------------------------------------------------------------------------ other hosts
 
 
+@one_job_at_a_time
 def test_a_step_orbax_saved_from_two_processes_restores_on_two_and_on_one(tmp_path, mesh):
     args = {"dir": str(tmp_path / "run")}
     saved = run_job(orbax_written.save, processes=2, devices=4, args=args)
@@ -374,6 +375,7 @@ def test_a_step_orbax_saved_from_two_processes_restores_on_two_and_on_one(tmp_pa
         check_restored(m.restore(state=target_on(mesh, P(None, "model"))).state, mesh)
 
 
+@one_job_at_a_time
 def test_every_layout_restores_on_two_processes(tmp_path, mesh, old_orbax):
     dirs = {
         name: (str(write(tmp_path / name, train_state(mesh))), None)
@@ -383,6 +385,7 @@ def test_every_layout_restores_on_two_processes(tmp_path, mesh, old_orbax):
     assert [r.report() for r in results] == [{"steps": {n: step_of(n) for n in dirs}}] * 2
 
 
+@one_job_at_a_time
 def test_a_two_process_run_switches_in_place(tmp_path):
     args = {"dir": str(tmp_path / "run")}
     run_job(orbax_written.save, processes=2, devices=4, args=args)

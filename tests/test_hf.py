@@ -14,6 +14,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from multihost import one_job_at_a_time
 
 import jaxckpt
 from conftest import run_python
@@ -661,6 +662,7 @@ def test_reshape_round_trips_whatever_the_shards_cut(mesh, tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded["w"]), x)
 
 
+@one_job_at_a_time
 def test_live_sharded_state_written_by_each_process_without_gathering(tmp_path):
     from children import live_export
     from multihost import run_job

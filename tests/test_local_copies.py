@@ -6,7 +6,9 @@ send: tests/test_peers.py."""
 import os
 
 from children import local_tier as job
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 
 def _args(tmp_path, **more):

@@ -8,7 +8,9 @@ import signal
 
 import pytest
 from children import local_tier as job
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 
 def _run(tmp_path, processes, devices, *, local=None, check=True, **args):
@@ -47,6 +49,19 @@ def uninterrupted(tmp_path_factory):
     return of
 
 
+@pytest.fixture(scope="module")
+def killed_at_14(tmp_path_factory):
+    """A 2-process job (4 devices each) killed after its step 14, run once: `take(tmp_path)`
+    copies its persistent and local directories into a test's own (six tests start there)."""
+    where = tmp_path_factory.mktemp("killed-at-14")
+    _killed(_run(where, 2, 4, kill_after=14, check=False))
+
+    def take(tmp_path):
+        shutil.copytree(where, tmp_path, symlinks=True, dirs_exist_ok=True)
+
+    return take
+
+
 def _same_continuation(got, want):
     for g, w in zip(got, want, strict=True):
         assert (g["step"], g["position"], g["digest"]) == (w["step"], w["position"], w["digest"])
@@ -54,16 +69,19 @@ def _same_continuation(got, want):
 
 @pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
 def test_a_job_killed_after_a_local_step_resumes_from_it(
-    tmp_path, uninterrupted, processes, devices
+    tmp_path, uninterrupted, killed_at_14, processes, devices
 ):
-    _killed(_run(tmp_path, processes, devices, kill_after=14, check=False))
+    if (processes, devices) == (2, 4):
+        killed_at_14(tmp_path)
+    else:
+        _killed(_run(tmp_path, processes, devices, kill_after=14, check=False))
     resumed = [r.report() for r in _run(tmp_path, processes, devices, start="latest")]
     assert {(r["restored"], r["tier"]) for r in resumed} == {(14, "local")}
     _same_continuation(resumed, uninterrupted(processes, devices))
 
 
-def test_local_directories_lost_or_moved(tmp_path, uninterrupted):
-    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+def test_local_directories_lost_or_moved(tmp_path, uninterrupted, killed_at_14):
+    killed_at_14(tmp_path)
     (tmp_path / "local-0").rename(tmp_path / "moved")  # process 0's: at a new path
     moved = [str(tmp_path / "moved"), str(tmp_path / "local-1")]
     resumed = [r.report() for r in _run(tmp_path, 2, 4, local=moved, start="latest", stop=14)]
@@ -110,8 +128,10 @@ def test_a_lost_directory_without_copies_restores_the_persistent_step(tmp_path, 
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
-def test_every_local_directory_lost_restores_the_persistent_step(tmp_path, uninterrupted):
-    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+def test_every_local_directory_lost_restores_the_persistent_step(
+    tmp_path, uninterrupted, killed_at_14
+):
+    killed_at_14(tmp_path)
     for p in (0, 1):
         shutil.rmtree(tmp_path / f"local-{p}")
     resumed = [r.report() for r in _run(tmp_path, 2, 4, start="latest")]
@@ -134,8 +154,8 @@ def _flip(path, at=100):
     path.write_bytes(bytes(raw))
 
 
-def test_a_corrupted_local_file_is_replaced_by_its_copy(tmp_path, uninterrupted):
-    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+def test_a_corrupted_local_file_is_replaced_by_its_copy(tmp_path, uninterrupted, killed_at_14):
+    killed_at_14(tmp_path)
     _flip(tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin")
     results = _run(tmp_path, 2, 4, start="latest")
     resumed = [r.report() for r in results]
@@ -144,8 +164,8 @@ def test_a_corrupted_local_file_is_replaced_by_its_copy(tmp_path, uninterrupted)
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
-def test_a_corrupted_file_and_copy_pass_the_step_over(tmp_path, uninterrupted):
-    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+def test_a_corrupted_file_and_copy_pass_the_step_over(tmp_path, uninterrupted, killed_at_14):
+    killed_at_14(tmp_path)
     _flip(tmp_path / "local-1" / "14" / "packed" / "1-of-2.bin")
     _flip(tmp_path / "local-0" / "replicas" / "1" / "14" / "packed" / "1-of-2.bin")
     results = _run(tmp_path, 2, 4, start="latest")
@@ -156,8 +176,8 @@ def test_a_corrupted_file_and_copy_pass_the_step_over(tmp_path, uninterrupted):
     _same_continuation(resumed, uninterrupted(2, 4))
 
 
-def test_a_restart_on_another_process_count_restores_the_persistent_step(tmp_path):
-    _killed(_run(tmp_path, 2, 4, kill_after=14, check=False))
+def test_a_restart_on_another_process_count_restores_the_persistent_step(tmp_path, killed_at_14):
+    killed_at_14(tmp_path)
     (report,) = [
         r.report()
         for r in _run(tmp_path, 1, 8, local=str(tmp_path / "local-0"), start="latest", data=False)

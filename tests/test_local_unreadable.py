@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 from children import local_tier as job
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 NOBODY = 65534
 

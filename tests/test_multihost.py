@@ -9,9 +9,12 @@ import json
 
 import pytest
 from children import multihost_checkpoints as job
-from multihost import run_job
+from children.job import Job
+from multihost import one_job_at_a_time, run_job
 
 from reliability.faults import largest_data_file
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 
 @pytest.fixture
@@ -93,21 +96,25 @@ def test_one_host_save_restores_on_two_hosts(tmp_path):
 # raises SaveError, then a fresh process lists the steps and restores the latest.
 def _kill_during_step_2(tmp_path, kill):
     """Runs job.dies_during_step_2 with process 1 killed at the moment `kill` names, on 2
-    processes: the survivor's report, then what a fresh process finds in the directory."""
+    processes: the survivor's report, then what another process finds in the directory."""
     # The survivor's barrier times out after 5 s (timeout_s); JAX aborts it once the dead
     # peer's heartbeat lapses. 30 s between the two leaves it the time to word and print its
-    # report on a loaded machine (with 10 s, a loaded run aborted it first).
+    # report on a loaded machine (with 10 s, a loaded run aborted it first). Its report
+    # printed, it exits at once rather than wait out that heartbeat in JAX's shutdown.
     args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "heartbeat_s": 30}
-    # JAX's coordination service aborts the survivor at exit (its peer is gone): rc is not 0.
     survivor, dead = run_job(
-        job.dies_during_step_2, processes=2, devices=4, args=args | {"kill": kill}, check=False
+        job.dies_during_step_2,
+        processes=2,
+        devices=4,
+        args=args | {"kill": kill, "exit_at_once": True},
+        check=False,
     )
     assert dead.returncode == -9, dead.stderr[-2000:]
     report = survivor.report()
     assert report["missing"] == [1], report
     assert report["seconds"] < 60  # bounded by timeout_s per barrier, not a hang
-    (after,) = run_job(job.list_and_restore, processes=1, devices=8, args=args)
-    return report, after.report()
+    # What a process that was not in the job finds there (this one: no job start-up).
+    return report, job.list_and_restore(Job(0, 1, args))
 
 
 def test_a_process_dying_before_it_confirms_its_part_fails_the_others_and_never_commits(

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
 from conftest import run_python
@@ -59,6 +59,7 @@ def test_save_and_resharded_restore_on_object_storage(mesh, bucket_dir):
     assert restored.meta == {"where": "remote"} and restored.state["step"] == 3
 
 
+@one_job_at_a_time
 def test_a_two_process_save_restores_on_two_processes_with_another_mesh(bucket_dir):
     # Real jax.distributed processes (gloo on 127.0.0.1), each writing its shards to the
     # bucket; then each of two new processes reads its half onto a (2, 4) mesh.

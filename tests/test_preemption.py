@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 from children import notices, preempted_loop
-from multihost import run_job
+from children.job import Job
+from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
 from conftest import SERVERS, prefix_on
@@ -150,6 +151,7 @@ def test_bad_policy():
             jaxckpt.PreemptionPolicy(timeout_s=seconds)
 
 
+@one_job_at_a_time
 def test_a_check_true_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
     args = {"dir": str(tmp_path), "steps": 3000, "check_at": 20}
     reports = [r.report() for r in run_job(preempted_loop.train, processes=2, devices=4, args=args)]
@@ -158,6 +160,7 @@ def test_a_check_true_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
     assert len(saved) == 1 and 20 < saved.pop() < 30, reports  # the same step, soon after
 
 
+@one_job_at_a_time
 def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
     def preempt_process_1(procs):
         deadline = time.monotonic() + 120
@@ -200,9 +203,9 @@ SLACK_S = 4  # start-up of the agreement and the error's wording, on a loaded ma
 
 
 def _committed(args) -> list[int]:
-    """The committed steps, as a fresh process lists them (the latest read back whole)."""
-    (after,) = run_job(notices.committed, processes=1, devices=8, args=args)
-    return after.report()["steps"]
+    """The committed steps, as a process that was not in the job lists them (this one; the
+    latest read back whole)."""
+    return notices.committed(Job(0, 1, args))["steps"]
 
 
 def _ready(path, procs, timeout=120):
@@ -213,6 +216,7 @@ def _ready(path, procs, timeout=120):
         time.sleep(0.05)
 
 
+@one_job_at_a_time
 def test_sigterm_to_both_with_one_stopped_ends_in_a_named_error_by_the_deadline(tmp_path):
     """The issue's case: SIGTERM to both processes of a job, process 1 stopped at once. It is
     stopped first, its SIGTERM left pending: had it run on for a moment (the parent may be
@@ -252,6 +256,7 @@ def test_sigterm_to_both_with_one_stopped_ends_in_a_named_error_by_the_deadline(
     assert _committed(args) == [1]
 
 
+@one_job_at_a_time
 def test_every_seconds_with_one_process_stopped_ends_in_a_named_error_by_the_deadline(tmp_path):
     args = {"dir": str(tmp_path / "ckpt"), "scratch": str(tmp_path), "timeout_s": TIMEOUT_S}
     args["heartbeat_s"] = 300
@@ -272,6 +277,7 @@ def test_every_seconds_with_one_process_stopped_ends_in_a_named_error_by_the_dea
     assert _committed(args) == [1]
 
 
+@one_job_at_a_time
 def test_every_seconds_saves_the_same_steps_on_every_process_by_process_0s_clock(tmp_path):
     args = {"dir": str(tmp_path / "ckpt")}
     first, second = [

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
 from conftest import run_python
@@ -494,6 +494,7 @@ def test_a_dataloader_over_a_source_without_repr_resumes(ckpt_dir, caplog):
     assert "step 1 holds each process's data-iterator state, which is not restored" in caplog.text
 
 
+@one_job_at_a_time
 def test_each_process_checks_its_own_pipeline_and_all_agree(tmp_path):
     """Two processes, each reading its shard of the data (`ds[process::2]`): each checks
     its own iterator against its own record, and when one refuses, both do (no process

@@ -8,7 +8,9 @@ at any process count."""
 
 import pytest
 from children import spread
-from multihost import run_job
+from multihost import one_job_at_a_time, run_job
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 
 def _run(tmp_path, processes, **args):

@@ -6,9 +6,12 @@ Real 2-process `jax.distributed` jobs on 127.0.0.1; the stop is armed at a point
 stopped process itself, never timed (tests/children/stalls.py)."""
 
 from children import stalls
-from multihost import run_job
+from children.job import Job
+from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
+
+pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 TIMEOUT_S = 6
 # The deadline is the bound; the slack covers wording the error on a loaded machine. Before
@@ -25,9 +28,9 @@ def _stalled(tmp_path, scenario):
 
 
 def _committed(args) -> list[int]:
-    """The committed steps, as a fresh process lists them."""
-    (after,) = run_job(stalls.list_steps, processes=1, devices=8, args=args)
-    return after.report()["steps"]
+    """The committed steps, as a process that was not in the job lists them (this one: no
+    job start-up to pay for a listing)."""
+    return stalls.list_steps(Job(0, 1, args))["steps"]
 
 
 def test_a_save_waits_for_a_stopped_process_no_longer_than_timeout_s(tmp_path):

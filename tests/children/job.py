@@ -4,11 +4,14 @@
 
 Sets JAX up (CPU devices, gloo; with 2 processes or more, `jax.distributed` on 127.0.0.1
 with a bounded start-up), then calls MODULE.FUNCTION(job); the dict it returns, if any, is
-printed as this process's `RESULT <json>` line.
+printed as this process's `RESULT <json>` line. With `"exit_at_once": true` in ARGS the
+process then ends without JAX's shutdown barrier, which a job whose peer was killed would
+wait in until the peer's heartbeat lapsed (`heartbeat_s`).
 """
 
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +36,9 @@ def main() -> None:
     report = getattr(importlib.import_module(module), function)(job)
     if report is not None:
         print("RESULT " + json.dumps(report), flush=True)
+    if job.args.get("exit_at_once"):
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
