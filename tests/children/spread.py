@@ -1,6 +1,7 @@
 """The jobs of tests/test_spread.py (run by children.job in every process): a state saved
 and restored by every process of the job, its bytes read from storage counted."""
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -44,9 +45,10 @@ def values(step: int) -> dict[str, np.ndarray]:
 
 def restore_counted(job: Job) -> dict:
     """Steps 1 and 2 saved (counting what this process wrote and read of step 2), then
-    step 2 (or with "corrupt", after process 0 flipped a byte of its largest file of
-    `corrupt`: state/ or packed/, the latest that verifies) restored in a new manager onto
-    the same layout, counting what this process read."""
+    step 2 restored in a new manager onto the same layout, counting what this process read.
+    Then, for each of `damaged` (state/ or packed/), in a copy of the directory made before
+    that restore: process 0 flips a byte of step 2's largest file there, and the job
+    restores the latest step that verifies (`report["damaged"][where]`)."""
     mesh, spec = layout(job.num_processes, job.args["layout"])
     sharding = NamedSharding(mesh, spec)
 
@@ -67,12 +69,14 @@ def restore_counted(job: Job) -> dict:
             after = io_counts()
             report["wrote"] = after["wchar"] - before["wchar"]
             report["read_saving"] = after["rchar"] - before["rchar"]
-    if where := job.args.get("corrupt"):
-        if job.process_id == 0:
-            victim = faults.largest_data_file(directory / "2", within=(where,))
-            faults.flip_middle_byte(victim)
-            report["victim"] = str(victim.relative_to(directory / "2"))
-        multihost_utils.sync_global_devices("corrupted")
+    damaged = {
+        where: directory.with_name(f"{directory.name}-{where}")
+        for where in job.args.get("damaged", [])
+    }
+    if job.process_id == 0:
+        for copy in damaged.values():
+            shutil.copytree(directory, copy)
+    multihost_utils.sync_global_devices("copied")
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values(0).items()
     } | {"n": np.int64(0)}
@@ -84,22 +88,44 @@ def restore_counted(job: Job) -> dict:
 
     with jaxckpt.CheckpointManager(directory, store=faults.store(open_file=opening)) as m:
         m.restore(1, state=target)  # uncounted: what a first restore imports and compiles
-        if where:
-            try:
-                m.restore(2, state=target)
-                report["error"] = None
-            except jaxckpt.errors.CorruptCheckpointError as e:
-                report["error"] = str(e)
         before = io_counts()["rchar"]
         opened.clear()
         with _internals.count_collectives() as collectives:
-            restored = m.restore(state=target, fallback=bool(where))
+            restored = m.restore(state=target)
         report["read"] = io_counts()["rchar"] - before
         report["collectives"] = dict(collectives)
         report["packed_opened"] = sorted(set(opened))
+    report |= {"step": restored.step, "bitwise": _bitwise(restored)}
+    report["state_bytes"] = sum(v.nbytes for v in values(0).values())
+    report["damaged"] = {
+        where: _damaged(job, copy, where, target) for where, copy in damaged.items()
+    }
+    return report
+
+
+def _damaged(job: Job, directory: Path, where: str, target: dict) -> dict:
+    """Process 0 flips a byte of step 2's largest file of `where`; then step 2 restored (the
+    error it raises) and the latest that verifies (`fallback`)."""
+    report = {}
+    if job.process_id == 0:
+        victim = faults.largest_data_file(directory / "2", within=(where,))
+        faults.flip_middle_byte(victim)
+        report["victim"] = str(victim.relative_to(directory / "2"))
+    multihost_utils.sync_global_devices(f"damaged {where}")
+    with jaxckpt.CheckpointManager(directory) as m:
+        try:
+            m.restore(2, state=target)
+            report["error"] = None
+        except jaxckpt.errors.CorruptCheckpointError as e:
+            report["error"] = str(e)
+        restored = m.restore(state=target, fallback=True)
+    return report | {"step": restored.step, "bitwise": _bitwise(restored)}
+
+
+def _bitwise(restored) -> bool:
+    """Whether every shard this process holds is the saved step's, bit for bit."""
     expected = values(restored.step)
-    report["step"] = restored.step
-    report["bitwise"] = (
+    return (
         all(
             np.array_equal(np.asarray(shard.data), expected[k][shard.index])
             for k in expected
@@ -107,5 +133,3 @@ def restore_counted(job: Job) -> dict:
         )
         and int(restored.state["n"]) == restored.step
     )
-    report["state_bytes"] = sum(v.nbytes for v in expected.values())
-    return report
