@@ -343,13 +343,18 @@ def verified_while_reading(
         return
     stop = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-verify")
-    report = pool.submit(verify_step, folder, step, unread=unread, stop=stop)
+    report: concurrent.futures.Future[StepReport] | None = None
 
     def check() -> None:
+        assert report is not None
         if problems := report.result().problems:
             raise CorruptCheckpointError(step, problems, str(directory))
 
     try:
+        # Submitted inside the try: a KeyboardInterrupt (Ctrl-C) that lands while submit()
+        # starts the pool's thread leaves a thread the pool does not count yet, which only
+        # the shutdown below wakes; without it the process could never exit.
+        report = pool.submit(verify_step, folder, step, unread=unread, stop=stop)
         try:
             yield check
         except Exception as e:

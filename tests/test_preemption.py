@@ -14,7 +14,7 @@ from children.job import Job
 from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
-from conftest import SERVERS, prefix_on
+from conftest import SERVERS, prefix_on, run_python
 from jaxckpt import errors
 from reliability import launch
 
@@ -200,6 +200,15 @@ def test_sigterm_on_one_of_two_processes_saves_one_agreed_step(tmp_path):
 # barrier or a collective until the stopped process died.
 TIMEOUT_S = 4
 SLACK_S = 4  # start-up of the agreement and the error's wording, on a loaded machine
+
+
+def test_a_ctrl_c_as_a_restores_verifying_thread_starts_still_lets_the_process_exit(tmp_path):
+    # Found by a shuffled run of the suite: the second signal's KeyboardInterrupt landed in
+    # the pool's submit() as it started its thread; the process never exited.
+    where = str(tmp_path / "ckpt")
+    proc = run_python("-m", "children.interrupted_start", where, timeout=120, check=False)
+    assert proc.stdout.splitlines() == ["interrupted"], (proc.stdout, proc.stderr[-2000:])
+    assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]
 
 
 def _committed(args) -> list[int]:
