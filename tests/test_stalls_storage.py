@@ -149,7 +149,8 @@ def test_every_command_on_a_store_that_stops_answering_ends_in_bounded_time(froz
     """Row 9: every `jaxckpt` command against a frozen server, `--timeout 6` (the
     environment's 60 s overridden): one line naming the store, exit 1 (`diff`: 2), within
     the give-up time and the pauses after its start-up, which a command on a local
-    checkpoint started with them measures (fifteen commands start at once on two cores).
+    checkpoint started with them measures (fifteen commands start at once on two cores),
+    and a slack that grows with that start-up.
     The steps are all there once the server is resumed."""
     local = tmp_path / "local"
     _run_all(
@@ -184,7 +185,11 @@ def test_every_command_on_a_store_that_stops_answering_ends_in_bounded_time(froz
         url = frozen.urls("cli")[store]
         assert line.startswith(f"jaxckpt: error: {url}"), (store, name, line)
         assert "could not be reached" in line, (store, name, line)
-        assert took[store, name] - start_up < REQUEST_S + SLACK_S, (store, name, took)
+        # The slack grows with the start-up measured beside them: on a loaded machine (the
+        # suite's other workers, a stress run) a local `ls` took 22 s to start and end, and
+        # a command 14.1 s more than it. A hang is the command's 60 s and more.
+        slack = SLACK_S + start_up / 2
+        assert took[store, name] - start_up < REQUEST_S + slack, (store, name, took)
     listed = {
         (store, "ls"): ("-m", "jaxckpt", "ls", url, "--json")
         for store, url in frozen.urls("cli").items()
