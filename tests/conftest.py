@@ -20,7 +20,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 # workers and every child interpreter and job process (they inherit the environment): the
 # same training step compiled by dozens of fresh processes is compiled once a machine. A
 # hit is the executable the compile would have made, so no claim changes: a fresh
-# interpreter is still fresh, only its compile is skipped. (`make clean` removes it.)
+# interpreter is still fresh, only its compile is skipped. The size limit also has JAX
+# lock each entry's read and write (filelock), so no process reads one half written.
+# (`make clean` removes it.)
 COMPILE_CACHE = {
     "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax-cache"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
