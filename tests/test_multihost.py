@@ -93,7 +93,7 @@ def test_one_host_save_restores_on_two_hosts(tmp_path):
 
 
 # A process that dies during a save of step 2 (job.dies_during_step_2): the survivor's wait()
-# raises SaveError, then a fresh process lists the steps and restores the latest.
+# raises SaveError, then the test's own process lists the steps and restores the latest.
 def _kill_during_step_2(tmp_path, kill):
     """Runs job.dies_during_step_2 with process 1 killed at the moment `kill` names, on 2
     processes: the survivor's report, then what another process finds in the directory."""

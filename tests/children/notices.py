@@ -131,7 +131,8 @@ def every_seconds(job: Job) -> dict:
 
 
 def committed(job: Job) -> dict:
-    """The committed steps, as a fresh process lists them; the latest read back whole."""
+    """The committed steps, as a process outside the job lists them (the test's own); the latest
+    read back whole."""
     with jaxckpt.open(job.args["dir"]) as ckpt:
         steps = ckpt.steps()
         restored = ckpt.read(state={"w": jnp.zeros(1024, jnp.float32)})
