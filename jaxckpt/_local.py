@@ -48,9 +48,10 @@ from jaxckpt import (
     _packed,
     _packed_read,
     _peers,
+    _replicas,
     _transfer,
 )
-from jaxckpt._peers import discard as _discard
+from jaxckpt._replicas import discard as _discard
 from jaxckpt._storage import absolute, is_remote, read_small
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ConfigError
@@ -58,7 +59,7 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt")
 
 PART_PATH = f"{_layout.META_DIR}/part.json"
-TMP_SUFFIX = _peers.TMP_SUFFIX  # a folder being written (a part, or a copy received)
+TMP_SUFFIX = _replicas.TMP_SUFFIX  # a folder being written (a part, or a copy received)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ class LocalStore:
                     f"LocalTier.directory {self.directory} cannot be made: {e.strerror or e}"
                 ) from None
             # before any copy can arrive: a copy half received is a leftover too
-            _peers.sweep(self.directory)
+            _replicas.sweep(self.directory)
         self._peers = self._copies = None
         if tier.replicas and jax.process_count() > 1:  # a collective: every process makes it
             self._copies = _copies.Copies(tier.copy_timeout_s)
@@ -289,8 +290,8 @@ class LocalStore:
         for rel, text in files.items():
             _write_synced(tmp / rel, text.encode())
         _integrity.write_manifest(tmp, hashed=hashed)
-        _peers.fsync_folder(tmp / _layout.META_DIR)
-        _peers.fsync_folder(tmp)
+        _replicas.fsync_folder(tmp / _layout.META_DIR)
+        _replicas.fsync_folder(tmp)
 
     def _commit(self, tmp: Path, step: int) -> None:
         # A step this number or newer is of a timeline that did not go on (the run went
@@ -304,7 +305,7 @@ class LocalStore:
         self._newest = step
         self._drop_copies(step, fresh_too=went_back)
         tmp.rename(self.directory / str(step))
-        _peers.fsync_folder(self.directory)
+        _replicas.fsync_folder(self.directory)
         for old in self.steps()[: -self.tier.keep_last]:
             self.delete(old)
         if self._copies is not None:
@@ -328,7 +329,7 @@ class LocalStore:
     def _drop_copies(self, step: int, *, fresh_too: bool) -> None:
         """The copies of steps from `step` on go (`_peers.Peers.drop`)."""
         if self._peers is None:
-            _peers.drop_copies(self.directory, step)
+            _replicas.drop_copies(self.directory, step)
             return
         self._peers.drop(step, fresh_too=fresh_too)
         if fresh_too and self._copies is not None:  # (set with the peers)
@@ -348,7 +349,7 @@ class LocalStore:
 
     def copies(self) -> dict[int, list[int]]:
         """The copies this process keeps: {owner: [step, ...]}, oldest first."""
-        return _peers.copies(self.directory)
+        return _replicas.copies(self.directory)
 
     def _check_copy(self, owner: int, step: int, folder: Path) -> None:
         """A copy received (in a listener thread), before it is put in place: PeerError
@@ -379,7 +380,7 @@ class LocalStore:
             if folder.exists():
                 self.delete(step)
             tmp.rename(folder)
-            _peers.fsync_folder(self.directory)
+            _replicas.fsync_folder(self.directory)
         except (_peers.PeerError, OSError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             return f"fetching step {step} from process {peer}'s copy failed: {e}"

@@ -1,5 +1,5 @@
-"""Copies of local parts between processes, over TCP: the one owner of the peer protocol
-and of the copies' folder, `replicas/`.
+"""Copies of local parts between processes, over TCP: the one owner of the peer protocol.
+The copies' folder it fills, `replicas/`, is `jaxckpt._replicas`'.
 
 With `LocalTier(replicas=r)`, each process's part goes to r other processes (`holders`: the
 next ones in the ring of processes that run on another machine), so that a process whose
@@ -37,15 +37,12 @@ copy of a newer step of that owner received since it started, and it never delet
 one; copies of a timeline that did not go on are dropped by the holder itself (`drop`: at
 each of its saves, those from before it started of that step or newer; and every newer one
 when it restores an older step, or its own saves go back). No link is followed anywhere
-under the local directory: every folder there is opened one at a time with O_NOFOLLOW (as
-`_storage.open_inside` opens files), and then used through `/proc/self/fd/<fd>`, which
-names the folder opened, not its path; a link where a folder should be is refused.
+under the local directory (`jaxckpt._replicas.folder`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hmac
 import json
 import logging
@@ -56,25 +53,24 @@ import shutil
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import xxhash
 
-from jaxckpt import _agree, _integrity, _layout
+from jaxckpt import _agree, _integrity
+from jaxckpt._replicas import REPLICAS, TMP_SUFFIX, discard, drop_copies, fsync_folder, steps_in
+from jaxckpt._replicas import folder as _folder
 from jaxckpt._storage import open_inside
 
 log = logging.getLogger("jaxckpt")
 
-REPLICAS = "replicas"
-TMP_SUFFIX = ".jaxckpt-tmp"
 _MAX_HEADER = 2**20
 _MAX_FILES = 4096
 _CHUNK = 8 * 2**20
 _ADDRESS_BYTES = 256
 _REL = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
-_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 class PeerError(Exception):
@@ -295,7 +291,7 @@ class Peers:
                     os.rename(at / tmp, at / str(step))
                     fsync_folder(at)
                     self._fresh.add((owner, step))
-                    older = [s for s in _steps_in(at) if s <= step]
+                    older = [s for s in steps_in(at) if s <= step]
                     for old in older[: -self._keep]:
                         discard(at / str(old))
                         self._fresh.discard((owner, old))
@@ -304,7 +300,7 @@ class Peers:
                 raise
 
     def _refuse_rollback(self, at: Path, owner: int, step: int) -> None:
-        newer = [s for s in _steps_in(at) if s > step and (owner, s) in self._fresh]
+        newer = [s for s in steps_in(at) if s > step and (owner, s) in self._fresh]
         if newer:
             raise PeerError(
                 f"a copy of process {owner}'s step {step}, older than its step {newer[-1]} "
@@ -340,117 +336,6 @@ class Peers:
         except OSError:
             pass
         return False
-
-
-# --- the copies' folders, read and changed without following a link --------------------
-
-
-@contextlib.contextmanager
-def _folder(root: Path, rel: str, *, create: bool = False) -> Iterator[Path]:
-    """The folder `root/rel`, reached one folder at a time without following a link (the
-    missing ones made, with `create`), as a path naming the folder opened (`/proc/self/fd/N`,
-    where there is one): a link swapped in later cannot redirect what is done through it.
-    OSError: ELOOP or ENOTDIR at a link or a file on the way."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for name in filter(None, rel.split("/")):
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, dir_fd=fd)
-            try:
-                inner = os.open(name, _FOLDER, dir_fd=fd)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                where = os.path.join(root, rel)
-                raise OSError(
-                    e.errno,
-                    f"{name} in {where} is a link or not a folder (jaxckpt follows no link "
-                    "in its local directory: remove it)",
-                ) from None
-            os.close(fd)
-            fd = inner
-        pinned = Path(f"/proc/self/fd/{fd}")
-        yield pinned if pinned.is_dir() else Path(root, rel)
-    finally:
-        os.close(fd)
-
-
-def _steps_in(folder: Path) -> list[int]:
-    """The step folders (no link) in `folder`, oldest first."""
-    with os.scandir(folder) as entries:
-        steps = [_layout.step_of(e.name) for e in entries if e.is_dir(follow_symlinks=False)]
-    return sorted(s for s in steps if s is not None)
-
-
-def copies(root: Path) -> dict[int, list[int]]:
-    """The copies kept in `root`: {owner: [step, ...]}, oldest first. A link where a folder
-    should be is passed over (logged)."""
-    found: dict[int, list[int]] = {}
-    try:
-        with _folder(root, REPLICAS) as replicas, os.scandir(replicas) as entries:
-            owners = [(e.name, _layout.step_of(e.name)) for e in entries]
-            for name, owner in owners:
-                if owner is None:
-                    continue
-                try:
-                    with _folder(replicas, name) as at:
-                        found[owner] = _steps_in(at)
-                except OSError as e:
-                    log.warning("local tier: copies passed over: %s", e.strerror or e)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # unreadable: `LocalStore.steps` says so
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            log.warning("local tier: copies passed over: %s", e.strerror or e)
-    return found
-
-
-def drop_copies(root: Path, step: int, *, keep: Set[tuple[int, int]] = frozenset()) -> None:
-    """Deletes the copies in `root` of steps from `step` on, but those in `keep`."""
-    for owner, steps in copies(root).items():
-        doomed = [s for s in steps if s >= step and (owner, s) not in keep]
-        if doomed:
-            with _folder(root, f"{REPLICAS}/{owner}") as at:
-                for s in doomed:
-                    log.info("local tier: deleting process %d's copy of step %d", owner, s)
-                    discard(at / str(s))
-
-
-def sweep(root: Path) -> None:
-    """Deletes what a save killed mid-write, a deletion that never finished or a copy half
-    received left behind in `root` (best effort: what cannot be read is left as it is)."""
-    leftovers = (TMP_SUFFIX, _layout.DELETING_SUFFIX)
-    for rel in ["", *(f"{REPLICAS}/{owner}" for owner in copies(root))]:
-        with contextlib.suppress(OSError), _folder(root, rel) as at:
-            for name in os.listdir(at):
-                if name.endswith(leftovers):
-                    _remove(at / name)
-
-
-def discard(folder: Path) -> None:
-    """Removes a part or a copy: renamed out of every listing first (a removal cut short
-    leaves a `.jaxckpt-deleting` folder, swept at the next start), then deleted. A link is
-    removed, never followed."""
-    doomed = folder.with_name(folder.name + _layout.DELETING_SUFFIX)
-    folder.rename(doomed)
-    _remove(doomed)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def fsync_folder(path: Path) -> None:
-    """Makes a folder's entries (a rename into it, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _exchange(mine: str) -> list[Address]:

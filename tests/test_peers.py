@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from jaxckpt import _peers
+from jaxckpt import _peers, _replicas
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_a_part_goes_to_a_peer_and_comes_back_whole(peer):
     ).read_bytes()
     peer.get(0, 3, 12, "back")
     assert (peer.root / "back" / "data.json").read_text() == '{"position": 3}'
-    assert _peers.copies(peer.root) == {3: [12]}
+    assert _replicas.copies(peer.root) == {3: [12]}
     with pytest.raises(_peers.PeerError, match="has no copy of process 3's step 13"):
         peer.get(0, 3, 13, "none")
 
@@ -71,7 +71,7 @@ def test_keep_copies_of_each_owner_are_kept(peer):
     for step in (2, 4, 6):
         _part(peer.root / str(step), fill=step)
         peer.put(0, 1, step, str(step))
-    assert _peers.copies(peer.root) == {1: [4, 6]}
+    assert _replicas.copies(peer.root) == {1: [4, 6]}
 
 
 class _Relay:
@@ -134,7 +134,7 @@ def test_a_captured_put_replayed_later_is_refused_and_rolls_nothing_back(peer):
     reply = _replay((host, port), bytes(captured))
     assert reply["ok"] is False and "replayed" in reply["error"]
     assert peer.checked == [(1, 12), (1, 14)]
-    assert _peers.copies(peer.root) == {1: [12, 14]}
+    assert _replicas.copies(peer.root) == {1: [12, 14]}
 
 
 def test_a_put_never_rolls_copies_back(peer):
@@ -143,9 +143,9 @@ def test_a_put_never_rolls_copies_back(peer):
     peer.put(0, 1, 14, "14")
     with pytest.raises(_peers.PeerError, match="never rolled back"):
         peer.put(0, 1, 12, "12")
-    assert _peers.copies(peer.root) == {1: [14]}
+    assert _replicas.copies(peer.root) == {1: [14]}
     peer.put(0, 1, 14, "14")  # the same step again: it replaces the copy
-    assert _peers.copies(peer.root) == {1: [14]}
+    assert _replicas.copies(peer.root) == {1: [14]}
     assert peer.tried == [(1, 14), (1, 12), (1, 14)]  # each put that was over, refused too
 
 
@@ -179,7 +179,7 @@ def test_a_request_not_signed_for_its_connection_is_refused(peer, signing):
     ):
         reply = _raw(peer, header, **signing)
         assert reply["ok"] is False and "not signed with this listener's key" in reply["error"]
-    assert peer.checked == peer.tried == [] and _peers.copies(peer.root) == {0: [1]}
+    assert peer.checked == peer.tried == [] and _replicas.copies(peer.root) == {0: [1]}
 
 
 @pytest.mark.parametrize(
@@ -213,7 +213,7 @@ def test_a_get_follows_no_link(peer, tmp_path, caplog):
         peer.get(0, 3, 5, "back")
     assert not any((peer.root / "back").rglob("*"))
     with caplog.at_level(logging.WARNING, "jaxckpt"):
-        assert _peers.copies(peer.root) == {}
+        assert _replicas.copies(peer.root) == {}
     assert "is a link" in caplog.text
 
 
@@ -249,12 +249,12 @@ def test_a_deletion_follows_no_link(peer, tmp_path):
     (at / "7.jaxckpt-tmp").symlink_to(outside / "5")
     (at / "8").symlink_to(outside / "5")
     _part(at / "9")
-    _peers.sweep(peer.root)
+    _replicas.sweep(peer.root)
     assert sorted(p.name for p in at.iterdir()) == ["8", "9"]
-    assert _peers.copies(peer.root) == {1: [9]}  # the link is no copy
-    _peers.drop_copies(peer.root, 0)
+    assert _replicas.copies(peer.root) == {1: [9]}  # the link is no copy
+    _replicas.drop_copies(peer.root, 0)
     assert sorted(p.name for p in at.iterdir()) == ["8"]
-    _peers.discard(at / "8")
+    _replicas.discard(at / "8")
     assert list(at.iterdir()) == [] and (outside / "5" / "data.json").exists()
 
 
