@@ -6,6 +6,7 @@ shards it holds against the global array.
 """
 
 import json
+import shutil
 
 import pytest
 from children import multihost_checkpoints as job
@@ -17,14 +18,23 @@ from reliability.faults import largest_data_file
 pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 
-@pytest.fixture
-def saved_on_two_hosts(tmp_path):
-    results = run_job(job.save, processes=2, devices=4, args={"dir": str(tmp_path)})
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """Step 5 saved by a 2-process job, once for the tests here."""
+    where = tmp_path_factory.mktemp("saved-on-two-hosts")
+    results = run_job(job.save, processes=2, devices=4, args={"dir": str(where)})
     assert [r.report() for r in results] == [{"steps": [5]}] * 2
-    assert sorted(p.name for p in (tmp_path / "5" / "data").glob("process_*")) == [
+    assert sorted(p.name for p in (where / "5" / "data").glob("process_*")) == [
         "process_0-of-2.json",
         "process_1-of-2.json",
     ]
+    return where
+
+
+@pytest.fixture
+def saved_on_two_hosts(saved_once, tmp_path):
+    """That step, copied into the test's own directory (which it may damage)."""
+    shutil.copytree(saved_once, tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
