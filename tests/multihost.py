@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 
 import pytest
+from children.job import SCENARIO, in_turn
 
 from reliability import launch
 
@@ -87,3 +88,102 @@ def run_job(
                 f"process {i} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
             )
     return results
+
+
+def run_in_turn(
+    scenarios: Iterable[tuple[Callable, dict]], *, processes: int, devices: int, timeout: float
+) -> list[list[Result]]:
+    """Several (scenario, args) one after another in one job (one start-up, one gloo ring),
+    each ending normally: per scenario, each process's Result, its output from that
+    scenario's start to the next one's. AssertionError if the job fails."""
+    turns = [[f.__module__, f.__name__, args] for f, args in scenarios]
+    job = run_job(
+        in_turn, processes=processes, devices=devices, args={"turns": turns}, timeout=timeout
+    )
+    split = [(_parts(r.stdout, len(turns)), _parts(r.stderr, len(turns))) for r in job]
+    return [[Result(0, out[i], err[i]) for out, err in split] for i in range(len(turns))]
+
+
+def _parts(output: str, n: int) -> list[str]:
+    """`output` cut at in_turn's SCENARIO lines: the n scenarios' own."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    at = -1
+    for line in output.splitlines(keepends=True):
+        if line.startswith(SCENARIO):
+            at = int(line[len(SCENARIO) :])
+        elif at >= 0:
+            parts[at].append(line)
+    return ["".join(p) for p in parts]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One job a case asks for (see `run_cases`): `scenario` on `processes` x `devices`;
+    `killed`: it kills its processes, so it needs a job of its own."""
+
+    scenario: Callable
+    args: dict
+    processes: int = 2
+    devices: int = 4
+    killed: bool = False
+
+
+Case = Callable[[], Generator[Run, list[Result], None]]
+
+
+def run_cases(cases: dict[str, Case], *, timeout: float) -> dict[str, Exception | None]:
+    """Runs several cases' jobs together, fewer jobs than one per run. A case is a generator
+    (a test's body, its assertions included) that yields each Run it needs and gets that
+    run's Results back. Round by round, every case's next run: those `killed` each in a job
+    of their own, the others of one shape one after another in one job (`run_in_turn`).
+    Returns each case's outcome: None, or what it raised (or the shared job that failed)."""
+    outcome: dict[str, Exception | None] = {}
+    waiting: dict[str, tuple[Generator, Run]] = {}
+
+    def advance(name: str, gen: Generator, got: list[Result] | Exception | None) -> None:
+        """The case goes on with what its run gave (its first run: None) to its next run."""
+        try:
+            waiting[name] = gen, gen.throw(got) if isinstance(got, Exception) else gen.send(got)
+        except StopIteration:
+            outcome[name] = None
+        except Exception as e:  # the case's own assertion, reported by its test
+            outcome[name] = e
+
+    for name, case in cases.items():
+        advance(name, case(), None)
+    while waiting:
+        now, waiting = waiting, {}
+        got: dict[str, list[Result] | Exception] = {}
+        shapes: dict[tuple[int, int], list[str]] = {}
+        for name, (_, run) in now.items():
+            if run.killed:
+                got[name] = _attempt(
+                    run_job,
+                    run.scenario,
+                    processes=run.processes,
+                    devices=run.devices,
+                    args=run.args,
+                    timeout=timeout,
+                    check=False,
+                )
+            else:
+                shapes.setdefault((run.processes, run.devices), []).append(name)
+        for (processes, devices), names in shapes.items():
+            runs = [(now[n][1].scenario, now[n][1].args) for n in names]
+            each = _attempt(
+                run_in_turn, runs, processes=processes, devices=devices, timeout=timeout
+            )
+            if isinstance(each, Exception):
+                each = [each] * len(names)
+            got.update(zip(names, each, strict=True))
+        for name, (gen, _) in now.items():
+            advance(name, gen, got[name])
+    return outcome
+
+
+def _attempt(call: Callable, *args, **kwargs):
+    """What `call` returned, or the exception it raised (a job that failed or hung)."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as e:
+        return e

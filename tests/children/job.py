@@ -18,6 +18,8 @@ from typing import Any
 
 from reliability import launch
 
+SCENARIO = "SCENARIO "  # in_turn's line as each scenario starts
+
 
 @dataclass(frozen=True)
 class Job:
@@ -39,6 +41,19 @@ def main() -> None:
     if job.args.get("exit_at_once"):
         sys.stderr.flush()
         os._exit(0)
+
+
+def in_turn(job: Job) -> None:
+    """Several scenarios in this one job, one after another (tests/multihost.py's
+    `run_in_turn`): `job.args["turns"]` holds [module, function, args] each. Each prints a
+    `SCENARIO <i>` line on stdout and on stderr as it starts, and its RESULT line."""
+    for i, (module, function, args) in enumerate(job.args["turns"]):
+        for stream in (sys.stdout, sys.stderr):
+            print(f"{SCENARIO}{i}", file=stream, flush=True)
+        scenario = getattr(importlib.import_module(module), function)
+        report = scenario(Job(job.process_id, job.num_processes, args))
+        if report is not None:
+            print("RESULT " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
