@@ -13,9 +13,21 @@ import functools
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def stop_here() -> None:
+    """Stops this process (SIGSTOP) before the calling thread does anything more: the
+    signal goes to this thread, which stops the whole process as it returns. Sent to the
+    process (`os.kill(os.getpid(), ...)`), the kernel wakes one thread to take it, the main
+    one, and a background thread that sent it runs on until that thread is scheduled: on
+    a loaded machine, Orbax's save thread reached the barrier before its commit first, and
+    the step it was to stop before committed."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def store(**faults: Callable[..., Any]) -> type:

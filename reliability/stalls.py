@@ -233,6 +233,7 @@ def _child() -> None:
 
     import jaxckpt
     from jaxckpt import _internals
+    from reliability import faults
     from reliability.stress import N, expected
 
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -243,7 +244,7 @@ def _child() -> None:
 
     def stop() -> None:
         if me == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills it
+            faults.stop_here()  # the parent kills it
 
     m = jaxckpt.CheckpointManager(directory, timeout_s=TIMEOUT_S)
     for step in range(1, last):

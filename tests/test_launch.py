@@ -50,6 +50,23 @@ def test_wait_stopped_returns_once_the_child_stopped_itself():
         proc.wait(timeout=30)
 
 
+def test_a_thread_that_stops_its_process_runs_no_further():
+    """faults.stop_here() in a background thread (where tests stop a process once its save's
+    arrays are written): that thread does nothing more. With os.kill(os.getpid(), SIGSTOP)
+    it printed its next line in 4 of 20 tries on an idle machine; on a loaded one, a save
+    thread passed the barrier before its commit, and a step meant to stay uncommitted
+    committed."""
+    for _ in range(20):
+        proc = hanger("stop-in-a-thread")
+        try:
+            status = launch.wait_stopped(proc, timeout=60)
+            assert os.WIFSTOPPED(status), status
+        finally:
+            proc.kill()
+            out, _ = proc.communicate(timeout=30)
+        assert out == "stop-in-a-thread\n"
+
+
 def test_wait_stopped_times_out_on_a_child_that_never_stops():
     proc = hanger("running")
     try:

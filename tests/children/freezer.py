@@ -4,8 +4,6 @@ before its commit: the parent (tests/test_atomicity.py) kills it there.
     python -m children.freezer DIRECTORY N
 """
 
-import os
-import signal
 import sys
 
 import jax
@@ -13,6 +11,7 @@ import jax.numpy as jnp
 
 import jaxckpt
 from jaxckpt import _internals
+from reliability import faults
 
 
 def main() -> None:
@@ -23,7 +22,7 @@ def main() -> None:
     m.wait()
 
     def freeze():  # step 2's arrays are written, its commit not yet made
-        os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us now
+        faults.stop_here()  # the parent kills us now
 
     with _internals.on_writes_done(freeze):
         m.save(2, state={"x": jnp.arange(n, dtype=jnp.float32) + 2}, meta={"step": 2})
