@@ -7,10 +7,12 @@ import re
 import numpy as np
 import pytest
 from children.spread import io_counts
+from click.testing import CliRunner
 
 import jaxckpt
-from conftest import Iterator, run_python
+from conftest import Iterator
 from jaxckpt import errors
+from jaxckpt.cli import main
 from reliability.faults import CORRUPTIONS, flip_byte, flip_middle_byte, largest_data_file
 
 BIG = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)  # 1 MiB
@@ -41,7 +43,8 @@ def test_every_committed_step_carries_a_manifest_that_verifies(two_steps):
     }
     # verify read every listed byte; the array data is in there.
     assert reports[1].bytes == sum(f["size"] for f in manifest["files"].values()) > BIG.nbytes / 2
-    proc = run_python("-m", "jaxckpt", "verify", str(two_steps))
+    proc = CliRunner().invoke(main, ["verify", str(two_steps)])  # as `jaxckpt verify` runs
+    assert proc.exit_code == 0, proc.output
     assert proc.stdout.splitlines()[0].startswith("step 1: ok (")
 
 
@@ -54,8 +57,8 @@ def test_corruption_is_detected_by_verify_and_restore(two_steps, corrupt, caplog
     assert any(__import__("re").search(expected, p) for p in reports[2].problems), reports[
         2
     ].problems
-    proc = run_python("-m", "jaxckpt", "verify", str(two_steps), check=False)
-    assert proc.returncode == 1 and "step 2: CORRUPT" in proc.stdout
+    proc = CliRunner().invoke(main, ["verify", str(two_steps)])
+    assert proc.exit_code == 1 and "step 2: CORRUPT" in proc.stdout
     assert "1 of 2 steps failed verification: [2]" in proc.stderr
 
     target = {"w": np.zeros_like(BIG), "b": np.zeros(3)}
