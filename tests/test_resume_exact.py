@@ -8,6 +8,8 @@ data order is identical and the losses agree to 1e-5 relative. Through s3:// (a 
 server on 127.0.0.1) the same-mesh resume is bitwise too.
 """
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -28,12 +30,31 @@ def reference(tmp_path_factory):
     return out
 
 
-def stop_and_resume(tmp_path, resume_mesh, ckpt=None):
-    ckpt = ckpt or tmp_path / "ckpt"
+def stop_at_20(where, ckpt):
+    """Trains 20 steps with a save at 20 (the log in `where`), then its process ends."""
     first = train(
-        f"--ckpt-dir={ckpt}", "--save-every=20", "--stop-at=20", f"--log={tmp_path / 'a.jsonl'}"
+        f"--ckpt-dir={ckpt}", "--save-every=20", "--stop-at=20", f"--log={where / 'a.jsonl'}"
     )
     assert "stopped after step 20" in first.stdout
+
+
+@pytest.fixture(scope="module")
+def stopped_at_20(tmp_path_factory):
+    """One run stopped at step 20 on local disk; `take(tmp_path)` copies it (its checkpoint
+    directory and log) into a test's own directory."""
+    where = tmp_path_factory.mktemp("stopped")
+    stop_at_20(where, where / "ckpt")
+
+    def take(tmp_path):
+        shutil.copytree(where, tmp_path, dirs_exist_ok=True)
+
+    return take
+
+
+def resume(tmp_path, resume_mesh, ckpt=None):
+    """A new process restores step 20 on `resume_mesh` and trains 20 more: each step's
+    `field`, from both runs' logs."""
+    ckpt = ckpt or tmp_path / "ckpt"
     second = train(
         f"--ckpt-dir={ckpt}",
         "--save-every=20",
@@ -51,8 +72,9 @@ def stop_and_resume(tmp_path, resume_mesh, ckpt=None):
     return merged
 
 
-def test_same_mesh_resume_in_a_new_process_is_bitwise_exact(reference, tmp_path):
-    merged = stop_and_resume(tmp_path, resume_mesh="4x2")
+def test_same_mesh_resume_in_a_new_process_is_bitwise_exact(reference, stopped_at_20, tmp_path):
+    stopped_at_20(tmp_path)
+    merged = resume(tmp_path, resume_mesh="4x2")
     assert merged("bits") == read_log(reference / "ref.jsonl", "bits")
     n_leaves, differing = differing_leaves(reference / "ref.npz", tmp_path / "resumed.npz")
     assert n_leaves == 97  # GPT-2 params, Adam moments, counts, dropout RNG state
@@ -63,13 +85,17 @@ def test_same_mesh_resume_through_s3_in_a_new_process_is_bitwise_exact(
     reference, tmp_path, s3_server
 ):
     ckpt = f"{s3_server.url}/resume-{tmp_path.name}"
-    merged = stop_and_resume(tmp_path, resume_mesh="4x2", ckpt=ckpt)
+    stop_at_20(tmp_path, ckpt)
+    merged = resume(tmp_path, resume_mesh="4x2", ckpt=ckpt)
     assert merged("bits") == read_log(reference / "ref.jsonl", "bits")
     assert differing_leaves(reference / "ref.npz", tmp_path / "resumed.npz") == (97, [])
 
 
-def test_resume_on_another_mesh_keeps_data_order_and_losses_within_1e5(reference, tmp_path):
-    merged = stop_and_resume(tmp_path, resume_mesh="2x4")
+def test_resume_on_another_mesh_keeps_data_order_and_losses_within_1e5(
+    reference, stopped_at_20, tmp_path
+):
+    stopped_at_20(tmp_path)
+    merged = resume(tmp_path, resume_mesh="2x4")
     assert merged("batch_crc") == read_log(reference / "ref.jsonl", "batch_crc")
     got, want = merged("loss"), read_log(reference / "ref.jsonl", "loss")
     steps = sorted(want)
