@@ -4,6 +4,9 @@ A job is a function of a `children` module, `def scenario(job) -> dict | None`: 
 runs it in `children.job` (distributed initialisation with a bounded timeout first), with
 `job.process_id`, `job.num_processes` and `job.args` (a dict). Every wait is bounded: a job
 that does not finish in time is killed and reported with its output.
+
+`run_in_turn` runs several scenarios that end normally in one job, one after another;
+`run_cases` runs several tests' jobs together that way (tests/test_local_multihost.py).
 """
 
 from __future__ import annotations
