@@ -142,6 +142,28 @@ def readme_quickstart() -> str:
     return block.code
 
 
+def test_the_install_page_names_every_extra_and_its_requirements_come_from_pyproject():
+    """docs/install.md's table of extras has one row per extra pyproject.toml declares, no
+    more; its requirements table is pyproject's own (docs/hooks/requirements.py)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    page = (DOCS / "install.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \|", page, flags=re.M)
+    assert sorted(rows) == sorted(project["optional-dependencies"]), rows
+    spec = importlib.util.spec_from_file_location(
+        "requirements", DOCS / "hooks" / "requirements.py"
+    )
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    table = hook.on_page_markdown(page, None, None, None)
+    assert "<!-- requirements -->" not in table
+    assert f"| Python | `{project['requires-python']}` |" in table
+    for requirement in project["dependencies"]:
+        name = re.match(r"[\w.\-]+(\[[^\]]*\])?", requirement).group(0)
+        assert f"| {name} | `{requirement[len(name) :]}` |" in table, requirement
+
+
 def test_the_readme_has_no_sample_but_the_quickstart():
     readme = blocks((REPO / "README.md").read_text())
     assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]

@@ -1,0 +1,42 @@
+"""mkdocs hook: what pyproject.toml says, on the site, read at build time.
+
+A page line `<!-- requirements -->` (the Install page's) becomes a table: the Python
+versions (`requires-python`) and each dependency with the versions jaxckpt accepts
+(`[project] dependencies`), so the page says what pip will ask for, never an older copy.
+Every page's footer names the version (`[project] version`) and the license.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+MARKER = "<!-- requirements -->"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def rows() -> list[tuple[str, str]]:
+    """(name, the versions accepted) for Python and each dependency, in pyproject's order."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    found = [("Python", project["requires-python"])]
+    for requirement in project["dependencies"]:
+        name, versions = re.match(r"([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)(.*)", requirement).groups()
+        found.append((name, versions.strip() or "any"))
+    return found
+
+
+def table() -> str:
+    lines = ["| package | versions |", "| --- | --- |"]
+    lines += [f"| {name} | `{versions}` |" for name, versions in rows()]
+    return "\n".join(lines)
+
+
+def on_config(config):
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    config["copyright"] = f"jaxckpt {project['version']} · {project['license']}"
+    return config
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return markdown.replace(MARKER, table()) if MARKER in markdown else markdown
