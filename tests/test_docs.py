@@ -28,8 +28,10 @@ NOT_RUN = re.compile(r"^\s*<!--\s*not run:(.*?)-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*\{?\s*\.?([\w+-]*)[^`]*$")
 PATHS = re.compile(r"""(["'])/(ckpt|mnt)/""")
 BUCKETS = re.compile(r"""(["'])(gs|s3)://(?:my-)?bucket/""")  # run on the test servers
-# Pages whose samples a test of their own runs (more than once, with other checks).
-OWN_TEST = {"guide.md", "equinox.md"}
+# Pages whose samples a test of their own runs (more than once, with other checks); Home's
+# one sample is the Quickstart, which test_the_quickstart_resumes_bitwise_after_a_preemption
+# runs.
+OWN_TEST = {"guide.md", "equinox.md", "index.md"}
 # What a page's output must hold: what its samples print.
 PRINTS = {
     "resharding.md": ["restore plan for step 1: 4 leaves"],
@@ -167,6 +169,20 @@ def test_the_install_page_names_every_extra_and_its_requirements_come_from_pypro
 def test_the_readme_has_no_sample_but_the_quickstart():
     readme = blocks((REPO / "README.md").read_text())
     assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]
+
+
+def test_home_shows_the_readmes_quickstart_and_feature_table():
+    """docs/index.md, the site's landing page, holds README.md's Quickstart (that test
+    runs it) and its feature table, its links made the site's (`docs/x.md` -> `x.md`)."""
+    assert [b.code for b in python_blocks(DOCS / "index.md")] == [readme_quickstart()]
+
+    def table(text: str) -> list[str]:
+        section = text[text.index("## What it does") :].split("\n## ")[0]
+        return [line for line in section.splitlines() if line.startswith("|")]
+
+    readme = table((REPO / "README.md").read_text())
+    assert len(readme) > 10
+    assert table((DOCS / "index.md").read_text()) == [r.replace("](docs/", "](") for r in readme]
 
 
 def test_the_readme_links_resolve():
