@@ -185,6 +185,28 @@ def test_home_shows_the_readmes_quickstart_and_feature_table():
     assert table((DOCS / "index.md").read_text()) == [r.replace("](docs/", "](") for r in readme]
 
 
+def test_the_built_sites_links_and_images_are_checked(tmp_path):
+    """docs/hooks/site_links.py, which `make docs` runs on the built site: a link to a page
+    and an id it has, an image that is there and other sites pass; a missing image, page or
+    id is named with the page it is on."""
+    spec = importlib.util.spec_from_file_location("site_links", DOCS / "hooks" / "site_links.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "guide" / "index.html").write_text('<h2 id="paths">Paths</h2>')
+    (tmp_path / "plot.png").write_bytes(b"")
+    good = '<a href="guide/#paths">a</a><img src="plot.png"><a href="https://x.org/y">b</a>'
+    (tmp_path / "index.html").write_text(good)
+    assert hook.broken(tmp_path) == []
+    bad = '<img src="gone.png"><a href="guide/#nowhere">c</a><a href="missing/">d</a>'
+    (tmp_path / "index.html").write_text(good + bad)
+    assert hook.broken(tmp_path) == [
+        "index.html: src=gone.png (no such file)",
+        "index.html: href=guide/#nowhere (no such id there)",
+        "index.html: href=missing/ (no such file)",
+    ]
+
+
 def test_the_readme_links_resolve():
     """README.md is read on GitHub, not built by mkdocs: its links to files (docs pages and
     reports) and their headings are checked here."""
