@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 OLD_ORBAX := .venv-orbax-0.2.3
 OLD_STAMP := $(OLD_ORBAX)/.installed-stamp
 
-.PHONY: demo test pytest lint docs format clean bench bench-quick
+.PHONY: demo test pytest lint docs docs-shots format clean bench bench-quick
 
 # Re-install whenever the declared dependencies change.
 $(STAMP): pyproject.toml
@@ -42,6 +42,14 @@ pytest: $(STAMP) $(OLD_STAMP)
 # it drops the warnings that --strict counts, and a broken build passes).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Screenshots of the built site in headless Chromium (Debian's package, installed first if
+# missing), at a desktop and a phone width, into runs/docs-shots/: to look at, not a test.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+docs-shots: docs
+	command -v chromium >/dev/null || $(SUDO) apt-get install -y -q chromium \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+	$(BIN)/python docs/shots.py
 
 # Side-by-side benchmarks (~55 min on 2 cores): each writes its page under
 # benchmarks/results/, then compare.py writes BENCHMARKS.md, one current page, its own
