@@ -108,6 +108,22 @@ def test_every_docs_page_is_in_the_nav_and_the_samples_are_recognised():
             assert block.language, f"docs/{page.name}:{block.line}: name the fence's language"
 
 
+CODE_WIDTH = 100  # characters of a code line that fit the page at 1,400 px (make docs-shots)
+
+
+def test_every_code_line_fits_the_page():
+    """No line of a docs page's code blocks is wider than CODE_WIDTH: the widened page
+    (docs/stylesheets/extra.css) shows it whole at 1,400 px, without a sideways scroll."""
+    wide = [
+        f"docs/{page.name}:{block.line + i + 1}: {len(line)} characters"
+        for page in pages()
+        for block in blocks(page.read_text())
+        for i, line in enumerate(block.code.splitlines())
+        if len(line) > CODE_WIDTH
+    ]
+    assert not wide, wide
+
+
 @pytest.mark.parametrize(
     "page",
     [p.name for p in pages() if p.name not in OWN_TEST and python_blocks(p)],
