@@ -64,7 +64,7 @@ TMP_SUFFIX = _replicas.TMP_SUFFIX  # a folder being written (a part, or a copy r
 
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
-    """The host-local tier of a `CheckpointManager` (docs, "Local tier").
+    """The host-local tier of a `CheckpointManager` ([Local tier](local-tier.md)).
 
     Attributes:
       directory: this process's own host-local directory (a RAM disk or local SSD); each

@@ -68,7 +68,7 @@ class CheckpointManager:
       timeout_s: in a job of several processes, how long any call waits for the others, in
         all: a save from its start to its commit, a restore, opening the manager. When it
         passes, every process still waiting raises a named error: `SaveError` (for a
-        save), `ProcessesMissingError`, naming those that did not come (see Deadlines).
+        save), `ProcessesMissingError`, naming those that did not come ([Deadlines](deadlines.md)).
       restore_inflight_bytes: a restore reads its leaves in batches of at most this many
         bytes per process (or one larger leaf), which bounds its host staging memory (see
         `plan`). None: a quarter of the host's memory (of the smallest host's, in a
@@ -79,17 +79,17 @@ class CheckpointManager:
         written as one (packed leaves are raw bytes), so pack_small_leaves is ignored.
       pack_small_leaves: write every leaf of at most 1 MiB into one file per process
         (with an index to reshard from) rather than as an Orbax array of its own: thousands
-        of small leaves save and restore at the speed of a few big ones (BENCHMARKS.md,
-        leaf-count sweep). False writes each leaf as plain Orbax reads it (docs, "Coming
-        from Orbax"). Steps saved either way restore the same.
+        of small leaves save and restore at the speed of a few big ones
+        ([Benchmarks](benchmarks.md)). False writes each leaf as plain Orbax reads it
+        ([Coming from Orbax](from-orbax.md)). Steps saved either way restore the same.
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
       local: a host-local tier (`LocalTier`: each process's own RAM disk or local SSD),
         saved to far more often than `directory` and restored from first when it holds the
-        newest step (docs, "Local tier").
+        newest step ([Local tier](local-tier.md)).
       writer_lease_s: on object storage (gs://), the term of the writer's lease, which
-        stands in for a lock (see the docs, "Object storage"): a writer that stops renewing
+        stands in for a lock ([Object storage](object-storage.md)): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer. At most a
         week: a longer term read from a lease is taken for garbage.
       store: the class that does the persistent tier's storage work (jaxckpt's own by
@@ -255,7 +255,7 @@ class CheckpointManager:
         processes, the step saved for a notice (or for `every_seconds`) is agreed from them.
         It reads no files and makes no request until a notice; then it may wait for the
         others, at most `PreemptionPolicy.timeout_s` (`timeout_s` for `every_seconds`), and
-        raise `ProcessesMissingError` naming those that did not come (see Deadlines).
+        raise `ProcessesMissingError` naming those that did not come ([Deadlines](deadlines.md)).
         """
         step = check_step(step)
         preempting, due = self._preemption.at(step, self._clock() - self._last_save_time)
@@ -468,7 +468,7 @@ class CheckpointManager:
           item: of a step plain Orbax wrote, the pytree item to restore as the state (e.g.
             MaxText's "items"); None: its only one (ConfigError listing them if it has
             several). `data=` restores from its grain item (MaxText's "iter"). Such a step
-            has no manifest: it is read unverified (docs, "Coming from Orbax").
+            has no manifest: it is read unverified ([Coming from Orbax](from-orbax.md)).
         """
         self.wait()  # a process always sees its own saves, local ones too
         wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
