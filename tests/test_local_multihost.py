@@ -19,7 +19,7 @@ from multihost import Run, one_job_at_a_time, run_cases, run_job
 pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
 TIMEOUT_S = 240
-CASES = {}  # test name -> its body, a generator of Runs (see `case`)
+CASES = {}  # test id -> (its body, a generator of Runs; its (processes, devices)): `case`
 
 
 def case(*shapes):
