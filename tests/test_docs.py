@@ -223,6 +223,19 @@ def test_the_built_sites_links_and_images_are_checked(tmp_path):
     ]
 
 
+def test_the_summary_figures_are_the_comparisons():
+    """Home's "Why not plain Orbax" table and Benchmarks' "In short" repeat figures that
+    docs/comparison.md states with how each was measured: every one of them is there, so
+    a figure updated there and not in a summary fails here."""
+    comparison = (DOCS / "comparison.md").read_text()
+    for page, heading in (("index.md", "## Why not plain Orbax"), ("benchmarks.md", "## In short")):
+        section = (DOCS / page).read_text().split(heading)[1].split("\n## ")[0]
+        figures = re.findall(r"\b\d+(?:\.\d+)? m?s\b", section)
+        assert len(figures) >= 8, (page, figures)
+        missing = [f for f in figures if f not in comparison]
+        assert not missing, f"docs/{page}: {missing} not in docs/comparison.md"
+
+
 def test_the_readme_links_resolve():
     """README.md is read on GitHub, not built by mkdocs: its links to files (docs pages and
     reports) and their headings are checked here."""
