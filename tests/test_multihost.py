@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 from children import multihost_checkpoints as job
-from children.job import Job
 from multihost import one_job_at_a_time, run_job
 
 from reliability.faults import largest_data_file
@@ -124,7 +123,7 @@ def _kill_during_step_2(tmp_path, kill):
     assert report["missing"] == [1], report
     assert report["seconds"] < 60  # bounded by timeout_s per barrier, not a hang
     # What a process that was not in the job finds there (this one: no job start-up).
-    return report, job.list_and_restore(Job(0, 1, args))
+    return report, job.list_and_restore(args["dir"])
 
 
 def test_a_process_dying_before_it_confirms_its_part_fails_the_others_and_never_commits(

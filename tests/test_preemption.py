@@ -9,8 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from children import notices, preempted_loop
-from children.job import Job
+from children import notices, preempted_loop, stalls
 from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
@@ -212,9 +211,7 @@ def test_a_ctrl_c_as_a_restores_verifying_thread_starts_still_lets_the_process_e
 
 
 def _committed(args) -> list[int]:
-    """The committed steps, as a process that was not in the job lists them (this one; the
-    latest read back whole)."""
-    return notices.committed(Job(0, 1, args))["steps"]
+    return stalls.committed(args["dir"])
 
 
 def _ready(path, procs, timeout=120):

@@ -6,7 +6,6 @@ Real 2-process `jax.distributed` jobs on 127.0.0.1; the stop is armed at a point
 stopped process itself, never timed (tests/children/stalls.py)."""
 
 from children import stalls
-from children.job import Job
 from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
@@ -28,9 +27,7 @@ def _stalled(tmp_path, scenario):
 
 
 def _committed(args) -> list[int]:
-    """The committed steps, as a process that was not in the job lists them (this one: no
-    job start-up to pay for a listing)."""
-    return stalls.list_steps(Job(0, 1, args))["steps"]
+    return stalls.committed(args["dir"])
 
 
 def test_a_save_waits_for_a_stopped_process_no_longer_than_timeout_s(tmp_path):

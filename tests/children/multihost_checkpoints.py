@@ -191,8 +191,10 @@ def dies_during_step_2(job: Job) -> dict:
     return report
 
 
-def list_and_restore(job: Job) -> dict:
-    with jaxckpt.CheckpointManager(job.args["dir"]) as m:
+def list_and_restore(directory: str) -> dict:
+    """What a process that was not in the job (the test's own) finds in `directory`: the
+    committed steps, the latest restored, and whether it is whole."""
+    with jaxckpt.CheckpointManager(directory) as m:
         report = {"steps": m.all_steps()}
         restored = m.restore(state={"w": np.zeros_like(W), "b": np.zeros_like(B), "step": 0})
         report["restored"] = restored.step

@@ -11,16 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 import jaxckpt
 from children.job import Job
+from children.stalls import state
 from jaxckpt import _internals
-
-
-def _state(step: int) -> dict:
-    return {"w": jnp.arange(1024, dtype=jnp.float32) + step}
 
 
 def _report_and_leave(job: Job, error: Exception | None, **extra) -> None:
@@ -35,7 +29,7 @@ def _report_and_leave(job: Job, error: Exception | None, **extra) -> None:
 def _started(job: Job, m: jaxckpt.CheckpointManager) -> None:
     """Step 1 committed, this process's pid written, then its ready file."""
     Path(job.args["scratch"], f"pid{job.process_id}").write_text(str(os.getpid()))
-    m.save(1, state=_state(1))
+    m.save(1, state=state(1))
     m.wait()
     Path(job.args["scratch"], f"ready{job.process_id}").touch()
 
@@ -51,7 +45,7 @@ def sigterm_to_both(job: Job) -> None:
         for step in range(2, 100_000):
             time.sleep(0.01)  # the work of a step
             if m.should_save(step):
-                m.save(step, state=_state(step))
+                m.save(step, state=state(step))
                 break
         error = None
     except jaxckpt.errors.JaxckptError as e:
@@ -93,7 +87,7 @@ def stopped_every_seconds(job: Job) -> None:
         for step in range(19, 100_000):
             time.sleep(0.01)
             if m.should_save(step):
-                m.save(step, state=_state(step))
+                m.save(step, state=state(step))
                 break
         error = None
     except jaxckpt.errors.JaxckptError as e:
@@ -121,20 +115,10 @@ def every_seconds(job: Job) -> dict:
         # more than a step ahead, whatever the machine's load
         _internals.barrier(f"test/every_seconds/{step}", 60_000)
         if m.should_save(step):
-            m.save(step, state=_state(step))
+            m.save(step, state=state(step))
             saved.append(step)
     m.wait()
     steps = m.all_steps()
     keys = _internals.published("jaxckpt/notices") if first else {}
     m.close()
     return {"saved": saved, "keys": sorted(keys), "steps": steps}
-
-
-def committed(job: Job) -> dict:
-    """The committed steps, as a process outside the job lists them (the test's own); the latest
-    read back whole."""
-    with jaxckpt.open(job.args["dir"]) as ckpt:
-        steps = ckpt.steps()
-        restored = ckpt.read(state={"w": jnp.zeros(1024, jnp.float32)})
-        assert (restored.state["w"] == _state(restored.step)["w"]).all()
-    return {"steps": steps, "devices": jax.device_count()}

@@ -18,7 +18,8 @@ from jaxckpt import _internals
 from reliability import faults
 
 
-def _state(step: int) -> dict:
+def state(step: int) -> dict:
+    """The state every step saves here and in children.notices."""
     return {"w": jnp.arange(1024, dtype=jnp.float32) + step}
 
 
@@ -52,17 +53,17 @@ def _report_and_leave(job: Job, call, **extra) -> None:
 def stopped_before_save(job: Job) -> None:
     """Both save step 1; process 1 stops before its save of step 2."""
     m = _manager(job)
-    m.save(1, state=_state(1))
+    m.save(1, state=state(1))
     m.wait()
     if job.process_id == 1:
         _stop()
-    _report_and_leave(job, lambda: m.save(2, state=_state(2)))
+    _report_and_leave(job, lambda: m.save(2, state=state(2)))
 
 
 def stopped_before_restore(job: Job) -> None:
     """Both save step 1; process 1 stops before its restore."""
     m = _manager(job)
-    m.save(1, state=_state(1))
+    m.save(1, state=state(1))
     m.wait()
     if job.process_id == 1:
         _stop()
@@ -74,7 +75,7 @@ def stopped_once_written(job: Job) -> None:
     barrier that precedes the commit: process 0 waits in its save's background (Orbax's
     barriers, two in a row) until the deadline the save started."""
     m = _manager(job)
-    m.save(1, state=_state(1))
+    m.save(1, state=state(1))
     m.wait()
 
     def stop_once_written() -> None:
@@ -83,16 +84,18 @@ def stopped_once_written(job: Job) -> None:
 
     with _internals.on_writes_done(stop_once_written):
         t0 = time.monotonic()
-        m.save(2, state=_state(2))
+        m.save(2, state=state(2))
         _report_and_leave(job, m.wait, save_returned_s=time.monotonic() - t0)
 
 
-def list_steps(job: Job) -> dict:
-    with jaxckpt.open(job.args["dir"]) as ckpt:
+def committed(directory: str) -> list[int]:
+    """The committed steps in `directory`, as a process that was not in the job lists them
+    (the test's own); the latest read back whole."""
+    with jaxckpt.open(directory) as ckpt:
         steps = ckpt.steps()
         restored = ckpt.read(state={"w": jnp.zeros(1024, jnp.float32)})
-        assert (restored.state["w"] == _state(restored.step)["w"]).all()
-    return {"steps": steps}
+        assert (restored.state["w"] == state(restored.step)["w"]).all()
+    return steps
 
 
 def open_locked(job: Job) -> dict:
