@@ -130,6 +130,17 @@ class Run:
     devices: int = 4
     killed: bool = False
 
+    def run(self, *, timeout: float, check: bool) -> list[Result]:
+        """This run in a job of its own (`run_job`)."""
+        return run_job(
+            self.scenario,
+            processes=self.processes,
+            devices=self.devices,
+            args=self.args,
+            timeout=timeout,
+            check=check,
+        )
+
 
 Case = Callable[[], Generator[Run, list[Result], None]]
 
@@ -160,15 +171,7 @@ def run_cases(cases: dict[str, Case], *, timeout: float) -> dict[str, Exception 
         shapes: dict[tuple[int, int], list[str]] = {}
         for name, (_, run) in now.items():
             if run.killed:
-                got[name] = _attempt(
-                    run_job,
-                    run.scenario,
-                    processes=run.processes,
-                    devices=run.devices,
-                    args=run.args,
-                    timeout=timeout,
-                    check=False,
-                )
+                got[name] = _attempt(run.run, timeout=timeout, check=False)
             else:
                 shapes.setdefault((run.processes, run.devices), []).append(name)
         for (processes, devices), names in shapes.items():

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 from children import local_tier as job
-from multihost import Run, one_job_at_a_time, run_cases, run_job
+from multihost import Run, one_job_at_a_time, run_cases
 
 pytestmark = one_job_at_a_time  # every test here runs a multi-process job
 
@@ -90,29 +90,19 @@ class Given:
     def __init__(self, tmp_path_factory):
         self.factory, self.found = tmp_path_factory, {}
         self.at_14 = tmp_path_factory.mktemp("killed-at-14")
-        _killed(run_job(**_job(train(self.at_14, kill_after=14)), check=False))
+        _killed(train(self.at_14, kill_after=14).run(timeout=TIMEOUT_S, check=False))
 
     def uninterrupted(self, processes, devices):
         """Each process's report of the run from step 0 to 20 unbroken."""
         if (processes, devices) not in self.found:
             where = self.factory.mktemp(f"unbroken-{processes}")
-            results = run_job(**_job(train(where, processes, devices)))
+            results = train(where, processes, devices).run(timeout=TIMEOUT_S, check=True)
             self.found[processes, devices] = [r.report() for r in results]
         return self.found[processes, devices]
 
     def killed_at_14(self, where):
         """The 2 x 4 job killed after its step 14: its directories copied into `where`."""
         shutil.copytree(self.at_14, where, symlinks=True, dirs_exist_ok=True)
-
-
-def _job(run: Run) -> dict:
-    return {
-        "scenario": run.scenario,
-        "processes": run.processes,
-        "devices": run.devices,
-        "args": run.args,
-        "timeout": TIMEOUT_S,
-    }
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,7 @@ def main() -> None:
     launch.join_job(
         devices, job.num_processes, job.process_id, port, heartbeat_timeout_seconds=heartbeat
     )
-    report = getattr(importlib.import_module(module), function)(job)
-    if report is not None:
-        print("RESULT " + json.dumps(report), flush=True)
+    _run(module, function, job)
     if job.args.get("exit_at_once"):
         sys.stderr.flush()
         os._exit(0)
@@ -50,10 +48,14 @@ def in_turn(job: Job) -> None:
     for i, (module, function, args) in enumerate(job.args["turns"]):
         for stream in (sys.stdout, sys.stderr):
             print(f"{SCENARIO}{i}", file=stream, flush=True)
-        scenario = getattr(importlib.import_module(module), function)
-        report = scenario(Job(job.process_id, job.num_processes, args))
-        if report is not None:
-            print("RESULT " + json.dumps(report), flush=True)
+        _run(module, function, Job(job.process_id, job.num_processes, args))
+
+
+def _run(module: str, function: str, job: Job) -> None:
+    """`module.function(job)`; the dict it returns, if any, printed as its RESULT line."""
+    report = getattr(importlib.import_module(module), function)(job)
+    if report is not None:
+        print("RESULT " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
