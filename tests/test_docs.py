@@ -153,10 +153,22 @@ QUICKSTART_PRINT = '    print(f"step {step} loss {float(loss)}")\n'
 PREEMPT_AT = 23
 
 
+def hook(name: str):
+    """docs/hooks/<name>.py, the module mkdocs loads as a hook."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section(text: str, heading: str) -> str:
+    """The part of a Markdown text from `heading` (a "## " line) to the next one."""
+    return text[text.index(heading) :].split("\n## ")[0]
+
+
 def readme_quickstart() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Quickstart") :]
-    (block, *_) = [b for b in blocks(section) if b.language == "python"]
+    readme = section((REPO / "README.md").read_text(), "## Quickstart")
+    (block, *_) = [b for b in blocks(readme) if b.language == "python"]
     return block.code
 
 
@@ -169,12 +181,7 @@ def test_the_install_page_names_every_extra_and_its_requirements_come_from_pypro
     page = (DOCS / "install.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \|", page, flags=re.M)
     assert sorted(rows) == sorted(project["optional-dependencies"]), rows
-    spec = importlib.util.spec_from_file_location(
-        "requirements", DOCS / "hooks" / "requirements.py"
-    )
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
-    table = hook.on_page_markdown(page, None, None, None)
+    table = hook("requirements").on_page_markdown(page, None, None, None)
     assert "<!-- requirements -->" not in table
     assert f"| Python | `{project['requires-python']}` |" in table
     for requirement in project["dependencies"]:
@@ -193,8 +200,8 @@ def test_home_shows_the_readmes_quickstart_and_feature_table():
     assert [b.code for b in python_blocks(DOCS / "index.md")] == [readme_quickstart()]
 
     def table(text: str) -> list[str]:
-        section = text[text.index("## What it does") :].split("\n## ")[0]
-        return [line for line in section.splitlines() if line.startswith("|")]
+        rows = section(text, "## What it does").splitlines()
+        return [line for line in rows if line.startswith("|")]
 
     readme = table((REPO / "README.md").read_text())
     assert len(readme) > 10
@@ -205,18 +212,16 @@ def test_the_built_sites_links_and_images_are_checked(tmp_path):
     """docs/hooks/site_links.py, which `make docs` runs on the built site: a link to a page
     and an id it has, an image that is there and other sites pass; a missing image, page or
     id is named with the page it is on."""
-    spec = importlib.util.spec_from_file_location("site_links", DOCS / "hooks" / "site_links.py")
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
+    broken = hook("site_links").broken
     (tmp_path / "guide").mkdir()
     (tmp_path / "guide" / "index.html").write_text('<h2 id="paths">Paths</h2>')
     (tmp_path / "plot.png").write_bytes(b"")
     good = '<a href="guide/#paths">a</a><img src="plot.png"><a href="https://x.org/y">b</a>'
     (tmp_path / "index.html").write_text(good)
-    assert hook.broken(tmp_path) == []
+    assert broken(tmp_path) == []
     bad = '<img src="gone.png"><a href="guide/#nowhere">c</a><a href="missing/">d</a>'
     (tmp_path / "index.html").write_text(good + bad)
-    assert hook.broken(tmp_path) == [
+    assert broken(tmp_path) == [
         "index.html: src=gone.png (no such file)",
         "index.html: href=guide/#nowhere (no such id there)",
         "index.html: href=missing/ (no such file)",
@@ -229,8 +234,7 @@ def test_the_summary_figures_are_the_comparisons():
     a figure updated there and not in a summary fails here."""
     comparison = (DOCS / "comparison.md").read_text()
     for page, heading in (("index.md", "## Why not plain Orbax"), ("benchmarks.md", "## In short")):
-        section = (DOCS / page).read_text().split(heading)[1].split("\n## ")[0]
-        figures = re.findall(r"\b\d+(?:\.\d+)? m?s\b", section)
+        figures = re.findall(r"\b\d+(?:\.\d+)? m?s\b", section((DOCS / page).read_text(), heading))
         assert len(figures) >= 8, (page, figures)
         missing = [f for f in figures if f not in comparison]
         assert not missing, f"docs/{page}: {missing} not in docs/comparison.md"
@@ -349,24 +353,16 @@ def test_the_api_reference_documents_every_public_name():
 # ------------------------------------------------------------------------- CLI reference
 
 
-def cli_hook():
-    """docs/hooks/cli_help.py, the module mkdocs loads as a hook."""
-    spec = importlib.util.spec_from_file_location("cli_help", DOCS / "hooks" / "cli_help.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_cli_reference_is_what_the_command_prints():
     """docs/cli.md's --help sections are generated at build time by docs/hooks/cli_help.py:
     they must be what `jaxckpt --help` and `jaxckpt ls --help` print, and name every
     command."""
-    hook = cli_hook()
-    texts = dict(hook.help_texts())
+    cli_help = hook("cli_help")
+    texts = dict(cli_help.help_texts())
     assert "<!-- jaxckpt --help -->" in (DOCS / "cli.md").read_text()
     for command in ("ls", "inspect", "diff", "plan", "verify", "export", "rm"):
         assert f"jaxckpt {command}" in texts
-    env = {"COLUMNS": str(hook.WIDTH), "JAX_PLATFORMS": "cpu"}
+    env = {"COLUMNS": str(cli_help.WIDTH), "JAX_PLATFORMS": "cpu"}
     for command in (["--help"], ["ls", "--help"]):
         proc = run_python("-m", "jaxckpt", *command, env=env)
         name = " ".join(["jaxckpt", *command[:-1]])
