@@ -16,7 +16,6 @@ import argparse
 import functools
 import http.server
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -44,12 +43,9 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     """The site over HTTP on 127.0.0.1 (a free port), in a thread: the server and its URL."""
     handler = functools.partial(_Quiet, directory=str(site))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # a free port
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{port}/"
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
 
 def shoot(chromium: str, url: str, out: Path, width: int, height: int) -> None:

@@ -16,25 +16,24 @@ MARKER = "<!-- requirements -->"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-def rows() -> list[tuple[str, str]]:
-    """(name, the versions accepted) for Python and each dependency, in pyproject's order."""
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    found = [("Python", project["requires-python"])]
-    for requirement in project["dependencies"]:
-        name, versions = re.match(r"([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)(.*)", requirement).groups()
-        found.append((name, versions.strip() or "any"))
-    return found
+def project() -> dict:
+    """pyproject.toml's `[project]` table."""
+    return tomllib.loads(PYPROJECT.read_text())["project"]
 
 
 def table() -> str:
+    """Python and each dependency with the versions accepted, in pyproject's order."""
+    rows = [("Python", project()["requires-python"])]
+    for requirement in project()["dependencies"]:
+        name, versions = re.match(r"([A-Za-z0-9_.\-]+(?:\[[^\]]*\])?)(.*)", requirement).groups()
+        rows.append((name, versions.strip() or "any"))
     lines = ["| package | versions |", "| --- | --- |"]
-    lines += [f"| {name} | `{versions}` |" for name, versions in rows()]
+    lines += [f"| {name} | `{versions}` |" for name, versions in rows]
     return "\n".join(lines)
 
 
 def on_config(config):
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    config["copyright"] = f"jaxckpt {project['version']} · {project['license']}"
+    config["copyright"] = f"jaxckpt {project()['version']} · {project()['license']}"
     return config
 
 
