@@ -51,7 +51,6 @@ from jaxckpt import (
     _replicas,
     _transfer,
 )
-from jaxckpt._replicas import discard as _discard
 from jaxckpt._storage import absolute, is_remote, read_small
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ConfigError
@@ -59,7 +58,6 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt")
 
 PART_PATH = f"{_layout.META_DIR}/part.json"
-TMP_SUFFIX = _replicas.TMP_SUFFIX  # a folder being written (a part, or a copy received)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +240,7 @@ class LocalStore:
         data: str | None,
         data_about: str | None,
     ) -> None:
-        tmp = self.directory / f"{info.step}{TMP_SUFFIX}"
+        tmp = self.directory / f"{info.step}{_replicas.TMP_SUFFIX}"
         try:
             self.write_part(tmp, info, pieces, data, data_about)
             self._commit(tmp, info.step)
@@ -312,7 +310,7 @@ class LocalStore:
             self._copies.send(step)  # in the background: the step stands without its copies
 
     def delete(self, step: int) -> None:
-        _discard(self.step_dir(step))
+        _replicas.discard(self.step_dir(step))
 
     def prune_after(self, step: int) -> None:
         """Deletes the local steps newer than `step`, parts and copies (a restore went back
@@ -367,7 +365,7 @@ class LocalStore:
         if self._peers is None:
             return "no copies are kept (LocalTier.replicas=0, or one process)"
         me = jax.process_index()
-        tmp = self.directory / f"{step}{TMP_SUFFIX}"
+        tmp = self.directory / f"{step}{_replicas.TMP_SUFFIX}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self._peers.get(peer, me, step, tmp.name)
