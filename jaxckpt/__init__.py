@@ -4,6 +4,9 @@ The public API is what this module re-exports; everything else may change.
 """
 
 from jaxckpt import errors as errors
+from jaxckpt._checkpoint import Checkpoint as Checkpoint
+from jaxckpt._checkpoint import open as open
+from jaxckpt._checkpoint import verify as verify
 from jaxckpt._diff import StepDiff as StepDiff
 from jaxckpt._diff import diff as diff
 from jaxckpt._integrity import StepReport as StepReport
@@ -14,9 +17,6 @@ from jaxckpt._plan import RestorePlan as RestorePlan
 from jaxckpt._policy import RetentionPolicy as RetentionPolicy
 from jaxckpt._policy import SavePolicy as SavePolicy
 from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
-from jaxckpt._reader import Checkpoint as Checkpoint
-from jaxckpt._reader import open as open
-from jaxckpt._reader import verify as verify
 from jaxckpt._targets import target_from_flax as target_from_flax
 from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
@@ -28,5 +28,33 @@ from jaxckpt.hf import NameMap as NameMap
 from jaxckpt.hf import export_safetensors as export_safetensors
 from jaxckpt.hf import load_safetensors as load_safetensors
 from jaxckpt.hf import save_safetensors as save_safetensors
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointManager",
+    "ExportResult",
+    "LocalTier",
+    "NameMap",
+    "PreemptionPolicy",
+    "ProcessPlan",
+    "RestorePlan",
+    "Restored",
+    "RetentionPolicy",
+    "SavePolicy",
+    "StepDiff",
+    "StepReport",
+    "diff",
+    "errors",
+    "export_orbax",
+    "export_safetensors",
+    "leaf_name",
+    "load_safetensors",
+    "open",
+    "save_safetensors",
+    "target_from_flax",
+    "target_like",
+    "target_on_mesh",
+    "verify",
+]
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxckpt import _reader
 from jaxckpt._plan import read_batches
-from jaxckpt._tree import LeafSpec, ReadRequest
+from jaxckpt._tree import ReadRequest
 
 COMPARE_BATCH_BYTES = 128 * 2**20  # read from each step at a time
 
@@ -21,12 +21,13 @@ COMPARE_BATCH_BYTES = 128 * 2**20  # read from each step at a time
 class StepDiff:
     """What `diff` found: leaf names added in b, removed from a, and changed in shape or
     dtype; with `values=True`, `max_abs_diff` for every other leaf both hold (0.0 where
-    equal, None without `values`). `a` and `b` map leaf names to their specs."""
+    equal, None without `values`). `a` and `b` map each side's leaf names to their shape
+    and dtype name (`((4, 2), "float32")`)."""
 
     steps: tuple[int, int]
     item: str
-    a: Mapping[str, LeafSpec]
-    b: Mapping[str, LeafSpec]
+    a: Mapping[str, tuple[tuple[int, ...], str]]
+    b: Mapping[str, tuple[tuple[int, ...], str]]
     added: list[str]
     removed: list[str]
     changed: list[str]
@@ -34,10 +35,12 @@ class StepDiff:
 
     @property
     def differing(self) -> dict[str, float]:
+        """The leaves whose values differ, with their largest absolute difference."""
         return {n: d for n, d in (self.max_abs_diff or {}).items() if d != 0}
 
     @property
     def different(self) -> bool:
+        """Whether the steps differ: a leaf added, removed, changed, or differing."""
         return bool(self.added or self.removed or self.changed or self.differing)
 
 
@@ -59,15 +62,16 @@ def diff(
     after each."""
     sides = ((directory_a, step_a), (directory_b or directory_a, step_b))
     with contextlib.ExitStack() as stack:
-        ckpts = [stack.enter_context(_reader.open(d)) for d, _ in sides]
+        ckpts = [stack.enter_context(_reader.open_reader(d)) for d, _ in sides]
         trees = [c.describe(s, item) for c, (_, s) in zip(ckpts, sides, strict=True)]
         (info_a, _), (info_b, _) = trees
         steps = (info_a.step, info_b.step)
         a, b = ({s.name: s for s in info.leaves(which)} for info, which in trees)
         both = a.keys() & b.keys()
-        changed = sorted(n for n in both if (a[n].shape, a[n].dtype) != (b[n].shape, b[n].dtype))
+        shape_a, shape_b = ({n: (s.shape, s.dtype) for n, s in side.items()} for side in (a, b))
+        changed = sorted(n for n in both if shape_a[n] != shape_b[n])
         added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
-        found = StepDiff(steps, item, a, b, added, removed, changed)
+        found = StepDiff(steps, item, shape_a, shape_b, added, removed, changed)
         if not values:
             return found
         same = {n: a[n] for n in sorted(both) if n not in changed}

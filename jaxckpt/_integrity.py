@@ -56,6 +56,7 @@ class StepReport:
 
     @property
     def ok(self) -> bool:
+        """Whether the step verified: no problem found."""
         return not self.problems
 
 

@@ -109,6 +109,7 @@ class LocalTier:
             )
 
     def due(self, step: int) -> bool:
+        """Whether the local tier saves `step` (`every_steps`)."""
         return step % self.every_steps == 0
 
 

@@ -39,7 +39,7 @@ from jaxckpt._lock import MAX_LEASE_S, ObjectLease, WriterLock, writer_lock
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import Notices, PreemptionPolicy
-from jaxckpt._reader import Checkpoint
+from jaxckpt._reader import Reader
 from jaxckpt._storage import absolute
 from jaxckpt._store_errors import naming_its_store, naming_the_store
 from jaxckpt._tiers import Tiers
@@ -182,7 +182,7 @@ class CheckpointManager:
                     else None
                 )
             undo.pop_all()
-        self._reader = Checkpoint(
+        self._reader = Reader(
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes
         )
         self._tiers = Tiers(self._reader, self._local)

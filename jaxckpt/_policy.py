@@ -44,6 +44,7 @@ class SavePolicy:
         _check_positive(self)
 
     def due(self, *, step: int, seconds_since_last_save: float) -> bool:
+        """Whether a save is due at `step`, by either rule."""
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return self.every_seconds is not None and seconds_since_last_save >= self.every_seconds
@@ -67,6 +68,7 @@ class RetentionPolicy:
         _check_positive(self)
 
     def steps_to_delete(self, committed: Iterable[int]) -> list[int]:
+        """Which of the `committed` steps this policy deletes, oldest first."""
         steps = sorted(committed)
         if self.keep_last is None:
             return []

@@ -1,15 +1,15 @@
-"""Reading a checkpoint: `jaxckpt.open(directory)`, and the one way every read goes.
+"""Reading a checkpoint: the one way every read goes.
 
-`restore`, `diff`, `verify`, both exports and every CLI command read through a
-`Checkpoint`: it lists the steps, describes one, reads it onto a target (verified against
-its manifest), and verifies steps. A `CheckpointManager` reads through the `Checkpoint` of
-its own store, and its local tier through `read_trees` on its local store (`_trees`: one
-step's trees, either tier).
+`restore`, `jaxckpt.open`, `diff`, `verify`, both exports and every CLI command read
+through a `Reader`: it lists the steps, describes one, reads it onto a target (verified
+against its manifest), and verifies steps. A `CheckpointManager` reads through the `Reader`
+of its own store, and its local tier through `read_trees` on its local store (`_trees`: one
+step's trees, either tier). `jaxckpt.Checkpoint` (`_checkpoint`) is its public face.
 
 A restore goes down, and never back up (the docs' architecture page states it so):
 
-    Checkpoint.read                  the step asked for, or the newest that verifies
-      Checkpoint._read_step          one step:
+    Reader.read                      the step asked for, or the newest that verifies
+      Reader._read_step              one step:
         store.info                   its StepInfo (`_layout`, or what Orbax recorded)
         check_data                   the data iterator against what was saved; all agree
         _integrity                   the files a read does not check itself against the
@@ -41,7 +41,7 @@ from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
 from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
-from jaxckpt._store_errors import naming_its_store, naming_the_store, store_failed
+from jaxckpt._store_errors import naming_the_store, store_failed
 from jaxckpt._tree import ReadRequest
 from jaxckpt._trees import Restored, Wanted, check_data, read_trees
 from jaxckpt.errors import (
@@ -85,46 +85,29 @@ class Store(Protocol):
 
 
 @naming_the_store  # its failures as StorageError: down, refusing us, no such bucket
-def open(
+def open_reader(
     directory: str | os.PathLike[str],
     *,
     verify: bool = True,
     restore_inflight_bytes: int | None = None,
     timeout_s: float = _agree.DEFAULT_TIMEOUT_S,
-) -> Checkpoint:
-    """Opens a checkpoint directory to read: jaxckpt's, or one plain Orbax or Flax wrote.
-
-    Takes no lock and writes nothing; close it (or use it as a context manager).
-
-    >>> import jax.numpy as jnp, numpy as np, tempfile, jaxckpt
-    >>> directory = tempfile.mkdtemp()
-    >>> with jaxckpt.CheckpointManager(directory) as mngr:
-    ...     mngr.save(7, state={"w": jnp.arange(3.0)})
-    >>> with jaxckpt.open(directory) as ckpt:
-    ...     ckpt.steps(), ckpt.read(state={"w": np.zeros(3, np.float32)}).state["w"].tolist()
-    ([7], [0.0, 1.0, 2.0])
-
-    Args:
-      directory: a local path or `gs://bucket/prefix`.
-      verify: check each step's files against its manifest as it is read.
-      restore_inflight_bytes: read leaves in batches of at most this many bytes per
-        process (None: a quarter of the host's memory).
-      timeout_s: in a job of several processes, how long one read waits for the others,
-        in all (ProcessesMissingError naming those that did not come).
-    """
+) -> Reader:
+    """A `Reader` of `directory` owning its read-only store (`jaxckpt.open`'s arguments)."""
     timeout_s = _agree.check_timeout(timeout_s)
     with _agree.deadline("the opening of the checkpoint", timeout_s):
         budget = restore_inflight_bytes or auto_inflight_bytes()
     store = _orbax.OrbaxStore(
         directory, read_only=True, restore_inflight_bytes=budget, timeout_s=timeout_s
     )
-    return Checkpoint(store, verify=verify, restore_inflight_bytes=budget, owned=True)
+    return Reader(store, verify=verify, restore_inflight_bytes=budget, owned=True)
 
 
-class Checkpoint:
+class Reader:
     """A checkpoint directory, read: its steps, what each holds, and reads onto a target.
 
-    Made by `jaxckpt.open`; a `CheckpointManager` reads through one over its own store.
+    What `jaxckpt.Checkpoint` shows of it is the public part; a `CheckpointManager` reads
+    through one over its own store, and `diff`, the exports and the CLI through one of
+    their own (`open_reader`).
     """
 
     def __init__(
@@ -143,7 +126,7 @@ class Checkpoint:
     def directory(self) -> epath.Path:
         return self._store.directory
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -253,27 +236,9 @@ class Checkpoint:
 
     # ---------------------------------------------------------------------------- restore
 
-    @naming_its_store("reading a step")
-    def read(
-        self,
-        step: int | None = None,
-        *,
-        state: Any = None,
-        rng: Any = None,
-        data: Any = None,
-        partial: bool = False,
-        fallback: bool = False,
-        data_mismatch_ok: bool = False,
-        item: str | None = None,
-    ) -> Restored:
-        """A committed step onto a target (`step=None`: the latest committed one), verified
-        against its manifest; the arguments are `CheckpointManager.restore`'s."""
-        return self.read_wanted(
-            step, Wanted(state, rng, data, data_mismatch_ok, partial, item), fallback
-        )
-
-    def read_wanted(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
-        """`read`, its arguments as one `Wanted`."""
+    def read(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
+        """A committed step onto the target `wanted` names (`step=None`: the latest), verified
+        against its manifest; `fallback`: as `CheckpointManager.restore`'s."""
         what = "the restore of " + ("the latest step" if step is None else f"step {step}")
         with _agree.deadline(what, self._store.timeout_s):
             return self._read_tries(step, wanted, fallback)
@@ -462,18 +427,6 @@ class Checkpoint:
                     progress(step, done, size)
             leaves, total = leaves + len(info.state), total + size
         return _integrity.StepReport(step, leaves, total, tuple(problems), checksummed=False)
-
-
-def verify(
-    directory: str | os.PathLike[str],
-    step: int | None = None,
-    *,
-    progress: _integrity.Progress | None = None,
-) -> list[_integrity.StepReport]:
-    """Verifies every committed step (or one) of a checkpoint directory; reads, never writes
-    (`Checkpoint.verify`)."""
-    with open(directory) as ckpt:
-        return ckpt.verify(step, progress=progress)
 
 
 class _Deleted(Exception):

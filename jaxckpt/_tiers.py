@@ -7,9 +7,9 @@ every process can restore the step from its own part, else the persistent direct
       _fetch_if_lost           a process lacking its part fetches it from a peer's copy
       _local_problem           each checks its part holds what the target needs; all agree
       _trees.read_trees        then the step is read, each process from its own directory
-      Checkpoint.read          or, if none serves, the persistent tier
+      Reader.read              or, if none serves, the persistent tier
 
-A `CheckpointManager` with no local tier reads through `Checkpoint.read` alone.
+A `CheckpointManager` with no local tier reads through `Reader.read` alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 from jaxckpt import _agree, _iterators, _local, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
-from jaxckpt._reader import Checkpoint
+from jaxckpt._reader import Reader
 from jaxckpt._trees import Restored, Wanted, items, plan_item, read_trees
 
 log = logging.getLogger("jaxckpt")
@@ -35,7 +35,7 @@ _HELD = 128  # the most (step, owner) pairs of parts and copies a process report
 class Tiers:
     """The persistent tier's reader and, if set, this process's local store."""
 
-    def __init__(self, persistent: Checkpoint, local: _local.LocalStore | None):
+    def __init__(self, persistent: Reader, local: _local.LocalStore | None):
         self.persistent, self.local = persistent, local
 
     def latest(self) -> int | None:
@@ -53,7 +53,7 @@ class Tiers:
         restored = None
         if self.local is not None and wanted.item is None:
             restored = self._restore_local(self.local, step, wanted)
-        return restored or self.persistent.read_wanted(step, wanted, fallback)
+        return restored or self.persistent.read(step, wanted, fallback)
 
     def _restore_local(
         self, local: _local.LocalStore, step: int | None, wanted: Wanted

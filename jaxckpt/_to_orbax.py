@@ -11,6 +11,7 @@ from etils import epath
 
 from jaxckpt import _orbax_steps, _reader
 from jaxckpt._storage import absolute, is_remote
+from jaxckpt._trees import Wanted
 from jaxckpt.errors import ConfigError, OutputExistsError
 
 log = logging.getLogger("jaxckpt")
@@ -58,8 +59,8 @@ def export_orbax(
         raise OutputExistsError(
             f"{out} exists and is not empty; choose another directory or pass overwrite=True"
         )
-    with _reader.open(checkpoint_dir) as ckpt:
-        restored = ckpt.read(step, state=state, item=item)
+    with _reader.open_reader(checkpoint_dir) as ckpt:
+        restored = ckpt.read(step, Wanted(state=state, item=item), fallback=False)
         if state is None and ckpt.info(restored.step, item).empty is None:
             log.warning(
                 "step %d of %s was saved before jaxckpt recorded a tree's empty nodes "

@@ -21,6 +21,7 @@ import yaml
 
 import jaxckpt
 from conftest import REPO, run_python
+from jaxckpt.hf._names import place
 
 DOCS = REPO / "docs"
 CPU8 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -321,13 +322,13 @@ def test_the_name_map_example_places_leaves():
     section = text[text.index("## Name maps") :]
     (example, *_) = [b for b in blocks(section) if b.language == "yaml"]
     names = jaxckpt.NameMap.load(yaml.safe_load(example.code))
-    assert names.place("model.wte.embedding.value", (10, 4)).names == ("transformer.wte.weight",)
-    attn = names.place("model.h.0.attn.kernel.value", (4, 8))
+    assert place(names, "model.wte.embedding.value", (10, 4)).names == ("transformer.wte.weight",)
+    attn = place(names, "model.h.0.attn.kernel.value", (4, 8))
     assert attn.names == ("transformer.h.0.attn.weight",) and attn.transpose == (1, 0)
-    mlp = names.place("model.layers.mlp.kernel.value", (2, 4, 8))
+    mlp = place(names, "model.layers.mlp.kernel.value", (2, 4, 8))
     assert mlp.names == ("model.layers.0.mlp.weight", "model.layers.1.mlp.weight")
-    assert names.place("model.h.0.rngs.dropout.key", (2,)) is None  # dropped
-    assert names.place("opt.mu.w", (4,)) is None  # not included
+    assert place(names, "model.h.0.rngs.dropout.key", (2,)) is None  # dropped
+    assert place(names, "opt.mu.w", (4,)) is None  # not included
 
 
 # ------------------------------------------------------------------------- API reference
@@ -337,17 +338,53 @@ def public_names() -> set[str]:
     return {
         name
         for name, value in vars(jaxckpt).items()
-        if not name.startswith("_") and not inspect.ismodule(value)
+        if not name.startswith("_") and (not inspect.ismodule(value) or name == "errors")
+    }
+
+
+def public_members(cls: type) -> set[str]:
+    """The methods and properties a class of the public API defines, its own."""
+    return {
+        name
+        for name, value in vars(cls).items()
+        if not name.startswith("_")
+        and (callable(value) or isinstance(value, property | classmethod | staticmethod))
     }
 
 
 def test_the_api_reference_documents_every_public_name():
-    """docs/api.md renders each name jaxckpt re-exports, and jaxckpt.errors, through the
-    public names only (a private module path would break when modules move)."""
+    """docs/api.md renders `jaxckpt.__all__`, which is every name jaxckpt re-exports,
+    through the public names only (a private module path would break when modules move)."""
+    assert sorted(jaxckpt.__all__) == sorted(public_names())
     reference = (DOCS / "api.md").read_text()
     rendered = set(re.findall(r"^::: (\S+)", reference, re.M))
-    assert {f"jaxckpt.{name}" for name in public_names()} | {"jaxckpt.errors"} == rendered
+    assert {f"jaxckpt.{name}" for name in jaxckpt.__all__} == rendered
     assert not re.search(r"jaxckpt\._", reference), "the reference names a private module"
+
+
+def test_api_at_a_glance_links_every_public_method_and_nothing_else():
+    """Every method and property of a public class is in "API at a glance" (linked to its
+    reference entry), and nothing it links is missing: the reference shows no method the
+    overview does not promise."""
+    overview = (DOCS / "api-overview.md").read_text()
+    linked = set(re.findall(r"\]\[(jaxckpt\.[\w.]+)\]", overview))
+    classes = {n: v for n in jaxckpt.__all__ if inspect.isclass(v := getattr(jaxckpt, n))}
+    members = {f"jaxckpt.{n}.{m}" for n, cls in classes.items() for m in public_members(cls)}
+    assert members - linked == set(), "public, but not in API at a glance"
+    functions = {f"jaxckpt.{n}" for n in jaxckpt.__all__ if n != "errors"}
+    assert linked - members - functions == set(), "linked, but not public"
+
+
+def test_the_reference_hook_finds_private_types():
+    """docs/hooks/public_reference.py, which `make docs` runs on the built API page: the
+    classes jaxckpt does not export are private, and the page names none of them."""
+    check = hook("public_reference")
+    private = check.private_classes()
+    assert {"Reader", "Wanted", "StepInfo", "ReadRequest", "Placement"} <= private
+    assert not private & {*jaxckpt.__all__, "CorruptCheckpointError"}
+    page = "<code>read(info: <span>StepInfo</span>) -> Restored</code> <p>_layout.Listing</p>"
+    assert check.named(page, private) == ["Listing", "StepInfo", "_layout.Listing"]
+    assert check.named("<code>read(step: int) -> Restored</code>", private) == []
 
 
 # ------------------------------------------------------------------------- CLI reference

@@ -20,6 +20,7 @@ import jaxckpt
 from conftest import run_python
 from examples.gpt2 import GPT2, GPT2Config, hf_config_json
 from jaxckpt import errors
+from jaxckpt.hf._names import place
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local; never reach for a hub
 GPT2_MAP = "configs/hf/gpt2.yaml"
@@ -577,7 +578,7 @@ def test_a_drop_rule_needs_no_name_whatever_else_it_says_and_a_rule_is_a_mapping
     """A drop rule with a split (no name: it goes nowhere) was a KeyError: 'name'; a rule
     that is not a mapping is named as such."""
     names = jaxckpt.NameMap.load({"rules": [{"match": "^opt\\.", "drop": True, "split": 0}]})
-    assert names.place("opt.mu", (2, 3)) is None
+    assert place(names, "opt.mu", (2, 3)) is None
     with pytest.raises(errors.ConfigError, match=r"rule 0 \('matchx'\) needs 'match'"):
         jaxckpt.NameMap.load({"rules": ["matchx"]})
 

@@ -193,7 +193,7 @@ def open_checkpoint(directory: str) -> Any:
     from jaxckpt import _reader
 
     need_dir(directory)
-    return _reader.open(directory)
+    return _reader.open_reader(directory)
 
 
 def need_dir(directory: str) -> None:

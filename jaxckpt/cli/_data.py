@@ -70,8 +70,8 @@ def diff(first: str, second: str, third: str | None, item: str, values: bool, as
         )
     a, b, differing = found.a, found.b, found.differing
 
-    def describe(spec) -> str:
-        return f"{tuple(spec.shape)} {spec.dtype}"
+    def describe(leaf: tuple[tuple[int, ...], str]) -> str:
+        return f"{leaf[0]} {leaf[1]}"
 
     # diff(1)'s exit status: 0 the same, 1 different (in the tree and, with --values, in a
     # value), 2 trouble (the group's handler).

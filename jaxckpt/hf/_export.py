@@ -21,7 +21,7 @@ from jaxckpt._match import uniform_requests
 from jaxckpt._plan import read_batches
 from jaxckpt._tree import KEY, LeafSpec
 from jaxckpt.hf import _files
-from jaxckpt.hf._names import NameMap
+from jaxckpt.hf._names import NameMap, place_all
 
 log = logging.getLogger("jaxckpt")
 
@@ -75,14 +75,14 @@ def export_safetensors(
     limit = _files.parse_size(max_shard_size)
     name_map = NameMap.load(names)
 
-    with _reader.open(checkpoint_dir) as ckpt:
+    with _reader.open_reader(checkpoint_dir) as ckpt:
         step = ckpt.resolve(step)
         # The files are hashed while the tensors are written to a temporary directory,
         # which is published only if they match: corrupt weights are never shipped.
         with ckpt.verified(step) as check:
             info, _ = ckpt.describe(step, item)
             by_name = _files.select({s.name: s for s in info.state}, include, exclude)
-            placements = name_map.place_all({n: s.shape for n, s in by_name.items()})
+            placements = place_all(name_map, {n: s.shape for n, s in by_name.items()})
             keys = [p.leaf for p in placements if by_name[p.leaf].kind == KEY]
             unsupported = _files.cannot_hold(placements, by_name, keys, cast)
             written = [by_name[p.leaf] for p in placements if p.leaf not in unsupported]
@@ -113,7 +113,7 @@ class _LeafReader:
     most `READ_BATCH_BYTES` (or one larger leaf), the next batch read in a worker thread while
     the current one is written. At most two batches are held."""
 
-    def __init__(self, ckpt: _reader.Checkpoint, info: _layout.StepInfo, specs: list[LeafSpec]):
+    def __init__(self, ckpt: _reader.Reader, info: _layout.StepInfo, specs: list[LeafSpec]):
         requests = uniform_requests([s for s in specs if s.kind != KEY], None)  # never exported
         self._read = lambda names: ckpt.read_arrays(
             info, _layout.STATE, {n: requests[n] for n in names}

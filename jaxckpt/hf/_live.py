@@ -18,7 +18,7 @@ from jaxckpt._tree import leaf_name
 from jaxckpt.errors import ConfigError
 from jaxckpt.hf import _files
 from jaxckpt.hf import _format as st
-from jaxckpt.hf._names import NameMap, Placement
+from jaxckpt.hf._names import NameMap, Placement, place_all
 
 LIVE_WRITERS = min(4, os.cpu_count() or 1)  # save_safetensors writes this many leaves at once
 Piece = tuple[tuple[slice, ...], np.ndarray]  # a block of a leaf (concrete bounds), on the host
@@ -63,7 +63,7 @@ def save_safetensors(
     # Arrays as given, Python scalars as NumPy arrays: each with a shape and a dtype.
     leaves = {leaf_name(p): x if hasattr(x, "dtype") else np.asarray(x) for p, x in flat}
     leaves = _files.select(leaves, include, exclude)
-    placements = NameMap.load(names).place_all({n: np.shape(x) for n, x in leaves.items()})
+    placements = place_all(NameMap.load(names), {n: np.shape(x) for n, x in leaves.items()})
     prng_key = jax.dtypes.prng_key
     keys = [p.leaf for p in placements if jax.dtypes.issubdtype(leaves[p.leaf].dtype, prng_key)]
     host: dict[str, np.ndarray] = {}  # the leaf last copied to the host

@@ -40,7 +40,7 @@ from jaxckpt.hf._files import (
     reshape_blocks,
     within,
 )
-from jaxckpt.hf._names import NameMap, Placement
+from jaxckpt.hf._names import NameMap, Placement, place
 
 MAX_INDEX = 100 * 1000 * 1000  # bytes; real indexes are kilobytes to a few megabytes
 
@@ -88,7 +88,7 @@ def load_safetensors(
                 f"target leaf {name} has no sharding on concrete devices; build the target "
                 "with jaxckpt.target_on_mesh / target_from_flax, or give NumPy arrays"
             )
-        placed = name_map.place(name, leaf.shape)
+        placed = place(name_map, name, leaf.shape)
         if placed is None:
             raise TreeMismatchError(f"the name map drops target leaf {name}; nothing would fill it")
         dtype = np.dtype(leaf.dtype)

@@ -131,60 +131,62 @@ class NameMap:
         include = source.get("include")
         return cls(tuple(rules), _compile(include, "include") if include else None)
 
-    def place(self, leaf: str, shape: Sequence[int]) -> Placement | None:
-        """Where `leaf` (of `shape`) goes; None when it is left out (include/drop)."""
-        if self.include is not None and not self.include.search(leaf):
-            return None
-        for rule in self.rules:
-            if (m := rule.match.search(leaf)) is None:
-                continue
-            if rule.drop:
-                return None
-            if rule.name is None:  # `load` refuses such a rule; one built by hand is wrong
-                raise ConfigError(f"name-map rule {rule.match.pattern!r} needs a name or drop")
-            name = m.expand(rule.name)
-            names: tuple[str, ...] = (name,)
-            if rule.split is not None:
-                if not 0 <= rule.split < len(shape):
-                    raise NameMapError(
-                        f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
-                    )
-                names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
-            return Placement(
-                leaf, names, rule.transpose, rule.split, reshape=rule.reshape, scale=rule.scale
-            )
-        if self.rules:
-            raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
-        return Placement(leaf, (leaf,), None, None)
 
-    def place_all(self, shapes: Mapping[str, Sequence[int]]) -> list[Placement]:
-        """Places every leaf; two leaves on one tensor name is an error naming both."""
-        placements, unplaced = [], []
-        owner: dict[str, str] = {}  # tensor name: the leaf on it
-        for leaf, shape in shapes.items():
-            try:
-                placed = self.place(leaf, shape)
-            except NameMapError:
-                unplaced.append(leaf)
-                continue
-            if placed is None:
-                continue
-            for name in placed.names:
-                if name in owner:
-                    raise NameMapError(
-                        f"leaves {owner[name]!r} and {leaf!r} both map to the tensor {name!r}; "
-                        "fix the name map so each tensor has one source"
-                    )
-                owner[name] = leaf
-            placements.append(placed)
-        if unplaced:
-            shown = ", ".join(repr(n) for n in unplaced[:20])
-            more = f" (and {len(unplaced) - 20} more)" if len(unplaced) > 20 else ""
-            raise NameMapError(
-                f"no name-map rule places these leaves: {shown}{more}. Add a rule for them, "
-                "a 'drop: true' rule, or narrow 'include'."
-            )
-        return placements
+def place(name_map: NameMap, leaf: str, shape: Sequence[int]) -> Placement | None:
+    """Where `name_map` puts `leaf` (of `shape`); None when it is left out (include/drop)."""
+    if name_map.include is not None and not name_map.include.search(leaf):
+        return None
+    for rule in name_map.rules:
+        if (m := rule.match.search(leaf)) is None:
+            continue
+        if rule.drop:
+            return None
+        if rule.name is None:  # `load` refuses such a rule; one built by hand is wrong
+            raise ConfigError(f"name-map rule {rule.match.pattern!r} needs a name or drop")
+        name = m.expand(rule.name)
+        names: tuple[str, ...] = (name,)
+        if rule.split is not None:
+            if not 0 <= rule.split < len(shape):
+                raise NameMapError(
+                    f"leaf {leaf!r} of shape {tuple(shape)} has no axis {rule.split} to split"
+                )
+            names = tuple(name.replace("{i}", str(i)) for i in range(shape[rule.split]))
+        return Placement(
+            leaf, names, rule.transpose, rule.split, reshape=rule.reshape, scale=rule.scale
+        )
+    if name_map.rules:
+        raise NameMapError(f"no name-map rule places the leaf {leaf!r}")
+    return Placement(leaf, (leaf,), None, None)
+
+
+def place_all(name_map: NameMap, shapes: Mapping[str, Sequence[int]]) -> list[Placement]:
+    """Places every leaf by `name_map`; two leaves on one tensor name is an error naming both."""
+    placements, unplaced = [], []
+    owner: dict[str, str] = {}  # tensor name: the leaf on it
+    for leaf, shape in shapes.items():
+        try:
+            placed = place(name_map, leaf, shape)
+        except NameMapError:
+            unplaced.append(leaf)
+            continue
+        if placed is None:
+            continue
+        for name in placed.names:
+            if name in owner:
+                raise NameMapError(
+                    f"leaves {owner[name]!r} and {leaf!r} both map to the tensor {name!r}; "
+                    "fix the name map so each tensor has one source"
+                )
+            owner[name] = leaf
+        placements.append(placed)
+    if unplaced:
+        shown = ", ".join(repr(n) for n in unplaced[:20])
+        more = f" (and {len(unplaced) - 20} more)" if len(unplaced) > 20 else ""
+        raise NameMapError(
+            f"no name-map rule places these leaves: {shown}{more}. Add a rule for them, "
+            "a 'drop: true' rule, or narrow 'include'."
+        )
+    return placements
 
 
 def reshape_text(groups: tuple[tuple[int, ...], ...]) -> str:
