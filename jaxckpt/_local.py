@@ -74,8 +74,9 @@ class LocalTier:
         host loses every directory on it), sent to them over TCP in the background once the
         part is written; a process whose directory is lost gets its part back from one of
         them at restore. 0 keeps no copies.
-      address: the address peers reach this process at for those copies (None: this
-        host's address towards JAX's coordinator, `jax.distributed`'s).
+      address: the address peers reach this process at for those copies (None: this host's
+        address towards JAX's coordinator,
+        [`jax.distributed.initialize`][jax.distributed.initialize]'s).
       copy_timeout_s: how long a peer may leave a copy unanswered: a copy whose socket
         stalls this long fails (logged, naming the peer), and `wait()` / `close()` wait at
         most this long for the copies of the newest local step before they log the peers

@@ -284,7 +284,8 @@ class CheckpointManager:
           step: the training step; must not exist yet.
           state: any pytree of jax.Array / NumPy arrays / scalars (NNX State, TrainState,
             optax states, ...).
-          rng: PRNG keys: typed (`jax.random.key`, any impl) or raw uint32, any pytree.
+          rng: PRNG keys: typed ([`jax.random.key`][jax.random.key], any impl) or raw
+            uint32, any pytree.
           data: an iterator with `get_state()` / `set_state()` (e.g. grain); each process
             saves its own state.
           meta: JSON-serialisable run metadata (config, metrics, ...).
@@ -448,9 +449,10 @@ class CheckpointManager:
         Args:
           step: the step to restore, or None for the latest committed step.
           state: the target: a pytree like the saved state whose leaves are
-            `jax.ShapeDtypeStruct` with a sharding, live `jax.Array`s (their sharding is
-            used), NumPy arrays (restored on the host) or Python scalars. Its shardings decide
-            where the data lands. None restores the saved tree as host NumPy arrays.
+            [`jax.ShapeDtypeStruct`][jax.ShapeDtypeStruct] with a sharding, live
+            [`jax.Array`][jax.Array]s (their sharding is used), NumPy arrays (restored on
+            the host) or Python scalars. Its shardings decide where the data lands. None
+            restores the saved tree as host NumPy arrays.
           rng: a target for the PRNG keys, like `state`. None puts them replicated on the
             devices of the state target (on the host when there is no state target), as
             nested dicts/lists; keys saved from other node types (`nnx.state(rngs)`) need a

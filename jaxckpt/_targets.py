@@ -80,16 +80,18 @@ def target_on_mesh(abstract: Any, mesh: Mesh, specs: Any = None) -> Any:
     """Places every array leaf of `abstract` on `mesh`.
 
     Args:
-      abstract: a tree whose leaves have `.shape` and `.dtype` (`jax.eval_shape` output, live
-        arrays, `nnx.eval_shape` state). Python scalars and NumPy arrays stay as they are
-        (restored on the host).
-      mesh: a concrete device mesh; its axis types (Auto or Explicit) are kept.
-      specs: a PartitionSpec tree matching `abstract` (None entries: replicated), or one
-        PartitionSpec for every leaf; a spec naming an axis the mesh lacks is a ConfigError.
-        None: each leaf keeps the spec of its own NamedSharding (e.g. live arrays on another
-        mesh, or `nnx.eval_shape` under `jax.set_mesh`) where it fits `mesh` (`fitting_spec`,
-        the rule `jaxckpt plan` uses), and is replicated otherwise: the leaves that fell
-        back to replicated are logged.
+      abstract: a tree whose leaves have `.shape` and `.dtype`
+        ([`jax.eval_shape`][jax.eval_shape] output, live arrays,
+        [`nnx.eval_shape`][flax.nnx.eval_shape] state). Python scalars and NumPy arrays stay
+        as they are (restored on the host).
+      mesh: a concrete [device mesh][jax.sharding.Mesh]; its axis types (Auto or Explicit) are kept.
+      specs: a [`PartitionSpec`][jax.sharding.PartitionSpec] tree matching `abstract` (None
+        entries: replicated), or one PartitionSpec for every leaf; a spec naming an axis the
+        mesh lacks is a ConfigError. None: each leaf keeps the spec of its own
+        [`NamedSharding`][jax.sharding.NamedSharding] (e.g. live arrays on another mesh, or
+        [`nnx.eval_shape`][flax.nnx.eval_shape] under [`jax.set_mesh`][jax.set_mesh]) where
+        it fits `mesh` (`fitting_spec`, the rule `jaxckpt plan` uses), and is replicated
+        otherwise: the leaves that fell back to replicated are logged.
     """
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -154,8 +156,9 @@ def target_from_flax(
 
     Args:
       abstract: an NNX state (`nnx.state(nnx.eval_shape(...))`, whose variables carry
-        `nnx.with_partitioning` metadata) or a Linen variables tree with `nn.Partitioned`
-        boxes (`jax.eval_shape(model.init, ...)`); unannotated leaves are replicated.
+        [`nnx.with_partitioning`][flax.nnx.with_partitioning] metadata) or a Linen variables
+        tree with `nn.Partitioned` boxes (`jax.eval_shape(model.init, ...)`); unannotated
+        leaves are replicated.
       mesh: the concrete mesh to restore onto.
       rules: logical axis rules, `(logical name, mesh axis or None)` pairs, when the
         annotations name logical axes (e.g. `("embed", None), ("mlp", "model")`).
@@ -178,8 +181,8 @@ def target_like(state: Any) -> Any:
 
     Unlike passing the live state itself, the result holds no device memory, so the live
     arrays may be deleted before restoring. Uncommitted arrays (the scalars `optax` and
-    `nnx.Optimizer` make on device 0) are placed replicated on the mesh of the other
-    leaves, as a restore into the live state itself places them.
+    [`nnx.Optimizer`][flax.nnx.Optimizer] make on device 0) are placed replicated on the
+    mesh of the other leaves, as a restore into the live state itself places them.
     """
     home = replicated_sharding(state)
 

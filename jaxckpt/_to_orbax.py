@@ -26,12 +26,13 @@ def export_orbax(
     overwrite: bool = False,
     item: str | None = None,
 ) -> int:
-    """Writes a step's state tree as the plain Orbax checkpoint `ocp.StandardCheckpointer`
-    writes, which `ocp.StandardCheckpointer().restore(out_dir, target)` reads; returns the
-    step exported. The step is restored first (verified against its manifest), so the
-    whole state passes through this process's memory: on the host without `state`, on the
-    target's devices with it. The checkpoint is written beside `out_dir` and renamed into
-    place: a failed export leaves `out_dir` as it was.
+    """Writes a step's state tree as the plain Orbax checkpoint
+    [`ocp.StandardCheckpointer`][orbax.checkpoint.StandardCheckpointer] writes, which
+    `ocp.StandardCheckpointer().restore(out_dir, target)` reads; returns the step exported.
+    The step is restored first (verified against its manifest), so the whole state passes
+    through this process's memory: on the host without `state`, on the target's devices with
+    it. The checkpoint is written beside `out_dir` and renamed into place: a failed export
+    leaves `out_dir` as it was.
 
     Args:
       checkpoint_dir: a jaxckpt checkpoint directory, or one plain Orbax wrote (only read).

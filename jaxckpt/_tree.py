@@ -460,7 +460,7 @@ def is_python_scalar(leaf: Any) -> bool:
 
 
 def leaf_name(path: KeyPath) -> str:
-    """The stored name of the leaf at a `jax.tree_util` key path (`params.w`)."""
+    """The stored name of the leaf at a [`jax.tree_util`][jax.tree_util] key path (`params.w`)."""
     return _name(path_entries(path))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import io
 import re
 from pathlib import Path
 
@@ -154,9 +155,9 @@ QUICKSTART_PRINT = '    print(f"step {step} loss {float(loss)}")\n'
 PREEMPT_AT = 23
 
 
-def hook(name: str):
-    """docs/hooks/<name>.py, the module mkdocs loads as a hook."""
-    spec = importlib.util.spec_from_file_location(name, DOCS / "hooks" / f"{name}.py")
+def hook(name: str, folder: str = "hooks"):
+    """docs/hooks/<name>.py, the module mkdocs loads as a hook (or another docs folder's)."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -171,6 +172,15 @@ def readme_quickstart() -> str:
     readme = section((REPO / "README.md").read_text(), "## Quickstart")
     (block, *_) = [b for b in blocks(readme) if b.language == "python"]
     return block.code
+
+
+def test_the_sites_source_link_and_address_come_from_project_urls():
+    """repo_url and site_url are pyproject's [project.urls] Repository and Documentation,
+    where set (one place for the addresses PyPI and the site show)."""
+    addresses = hook("requirements").addresses
+    urls = {"Repository": "https://example.org/jaxckpt", "Documentation": "https://x.org/"}
+    assert addresses(urls) == {"repo_url": urls["Repository"], "site_url": urls["Documentation"]}
+    assert addresses({"Homepage": "https://example.org"}) == {}
 
 
 def test_the_install_page_names_every_extra_and_its_requirements_come_from_pyproject():
@@ -385,6 +395,24 @@ def test_the_reference_hook_finds_private_types():
     page = "<code>read(info: <span>StepInfo</span>) -> Restored</code> <p>_layout.Listing</p>"
     assert check.named(page, private) == ["Listing", "StepInfo", "_layout.Listing"]
     assert check.named("<code>read(step: int) -> Restored</code>", private) == []
+
+
+def test_the_vendored_inventories_are_curated_pys_and_each_entry_is_linked():
+    """docs/inventories/: each project's inventory is what curated.py writes (no hand
+    edit), each entry is linked from a docstring or a page (none kept for nothing), and
+    Python's own inventory names the standard types the signatures show."""
+    from mkdocstrings import Inventory
+
+    curated = hook("curated", folder="inventories")
+    sources = [*(REPO / "jaxckpt").rglob("*.py"), *DOCS.glob("*.md")]
+    linked = "".join(path.read_text() for path in sources)
+    for project, (_, _, entries) in curated.PROJECTS.items():
+        written = (DOCS / "inventories" / f"{project}.inv").read_bytes()
+        assert written == curated.inventory(project).format_sphinx(), project
+        for name, _, _ in entries:
+            assert f"][{name}]" in linked, f"{name}: in {project}.inv, linked nowhere"
+    python = Inventory.parse_sphinx(io.BytesIO((DOCS / "inventories" / "python.inv").read_bytes()))
+    assert {"os.PathLike", "typing.Any", "collections.abc.Mapping"} <= python.keys()
 
 
 # ------------------------------------------------------------------------- CLI reference

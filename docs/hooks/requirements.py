@@ -3,7 +3,9 @@
 A page line `<!-- requirements -->` (the Install page's) becomes a table: the Python
 versions (`requires-python`) and each dependency with the versions jaxckpt accepts
 (`[project] dependencies`), so the page says what pip will ask for, never an older copy.
-Every page's footer names the version (`[project] version`) and the license.
+Every page's footer names the version (`[project] version`) and the license, and the
+site's source link and address are `[project.urls]`' Repository and Documentation, the
+ones PyPI shows: none is set until the project has a public home.
 """
 
 from __future__ import annotations
@@ -32,8 +34,16 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def addresses(urls: dict[str, str]) -> dict[str, str]:
+    """mkdocs' `repo_url` and `site_url`, from a `[project.urls]` table (those it has)."""
+    names = {"repo_url": "Repository", "site_url": "Documentation"}
+    return {key: urls[name] for key, name in names.items() if name in urls}
+
+
 def on_config(config):
     config["copyright"] = f"jaxckpt {project()['version']} · {project()['license']}"
+    for key, url in addresses(project().get("urls", {})).items():
+        config[key] = url
     return config
 
 

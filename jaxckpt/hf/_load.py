@@ -57,8 +57,9 @@ def load_safetensors(
     Args:
       path: a `.safetensors` file, or a directory with `model.safetensors.index.json` or
         `model.safetensors`.
-      target: the restore target: leaves are `jax.ShapeDtypeStruct` with a sharding, live
-        `jax.Array`s, or NumPy arrays (loaded on the host). Its treedef is the result's.
+      target: the restore target: leaves are [`jax.ShapeDtypeStruct`][jax.ShapeDtypeStruct]
+        with a sharding, live [`jax.Array`][jax.Array]s, or [NumPy arrays][numpy.ndarray]
+        (loaded on the host). Its treedef is the result's.
       names: the same name map as for export (leaf names -> tensor names).
       ignore: a regex of file tensors that may stay unused (e.g. `lm_head.weight` when tied).
 
