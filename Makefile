@@ -44,11 +44,13 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Screenshots of the built site in headless Chromium (Debian's package, installed first if
-# missing), at a desktop and a phone width, into runs/docs-shots/: to look at, not a test.
+# missing; driven by Playwright, the `shots` extra), at a desktop and a phone width, and the
+# pages its search finds first for API names, into runs/docs-shots/: to look at, not a test.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 docs-shots: docs
 	command -v chromium >/dev/null || $(SUDO) apt-get install -y -q chromium \
 		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+	$(BIN)/pip install --quiet -e '.[shots]'
 	$(BIN)/python docs/shots.py
 
 # Side-by-side benchmarks (~55 min on 2 cores): each writes its page under

@@ -1,13 +1,15 @@
-"""Screenshots of the built docs site in headless Chromium, at a desktop and a phone width:
-what a reader sees, to look at before and after a change to the site (`make docs-shots`,
-outside `make test`).
+"""Screenshots of the built docs site in headless Chromium, at a desktop and a phone width,
+and what its search finds first for the names users type: what a reader sees, to look at
+before and after a change to the site (`make docs-shots`, outside `make test`).
 
     python docs/shots.py [--site site] [--out runs/docs-shots] [--chromium chromium]
 
 Serves the built site (`make docs` first; the make target does) on 127.0.0.1 at a free
-port, loads each page of PAGES at each width of WIDTHS, and writes one PNG per page and
-width into --out, named `<page>-<width>.png`; then prints their paths. Each Chromium run
-is bounded (a page that never loads fails the script, naming it).
+port and drives Chromium through Playwright: loads each page of PAGES at each width of
+WIDTHS and writes one PNG per page and width into --out, named `<page>-<width>.png`; then
+types each query of SEARCHES into the search box and writes the pages it lists first to
+`search.md` (and the results for the first query as `search-desktop.png`). Prints the paths
+it wrote. Every wait is bounded (a page that never loads fails the script, naming it).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import argparse
 import functools
 import http.server
 import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from playwright.sync_api import Page, sync_playwright
 
 # The pages a newcomer meets first: Home, Install, a guide page, the API reference and
 # Benchmarks (with its plots).
@@ -32,7 +35,18 @@ PAGES = {
 }
 # (name, width, height): a laptop's browser window, and a phone's (CSS pixels).
 WIDTHS = [("desktop", 1400, 2400), ("phone", 390, 2400)]
-TIMEOUT_S = 120
+# What users type, API names first: each should find the page that answers it first.
+SEARCHES = [
+    "CheckpointManager",
+    "restore",
+    "target_on_mesh",
+    "LocalTier",
+    "verify",
+    "pip install",
+    "another mesh",
+]
+SHOWN = 3  # the pages search.md lists per query
+TIMEOUT_MS = 60_000
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -48,23 +62,21 @@ def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
 
-def shoot(chromium: str, url: str, out: Path, width: int, height: int) -> None:
-    """One screenshot of `url` at `width` x `height` into `out` (RuntimeError if none)."""
-    command = [
-        chromium,
-        "--headless",
-        "--no-sandbox",  # as root, in a container
-        "--disable-gpu",
-        "--hide-scrollbars",
-        "--no-first-run",
-        "--virtual-time-budget=5000",  # the page's scripts (search, palette) settle first
-        f"--window-size={width},{height}",
-        f"--screenshot={out}",
-        url,
+def search(page: Page, url: str, query: str) -> list[str]:
+    """The pages the site's search lists for `query`, best first (paths from the root)."""
+    page.goto(url)
+    page.keyboard.press("s")  # Material's shortcut: the search box, focused
+    page.fill("input.md-search__input", query)
+    meta = page.locator(".md-search-result__meta")
+    page.wait_for_function(  # the worker has answered this query, not an earlier one
+        "el => /\\d+ matching/.test(el.textContent)", arg=meta.element_handle(), timeout=TIMEOUT_MS
+    )
+    links = page.locator(".md-search-result__list > .md-search-result__item > a")
+    paths = [
+        href.split("?")[0].removeprefix(url)
+        for href in links.evaluate_all("links => links.map(a => a.href)")
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"chromium made no screenshot of {url}: {proc.stderr[-2000:]}")
+    return [path or "(home)" for path in dict.fromkeys(paths)]  # each page once, in order
 
 
 def main() -> int:
@@ -78,11 +90,31 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     server, url = serve(args.site)
     try:
-        for page, path in PAGES.items():
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=args.chromium,
+                args=["--no-sandbox"],  # as root, in a container
+            )
             for name, width, height in WIDTHS:
-                out = args.out / f"{page}-{name}.png"
-                shoot(args.chromium, url + path, out, width, height)
-                print(out)
+                page = browser.new_page(viewport={"width": width, "height": height})
+                page.set_default_timeout(TIMEOUT_MS)
+                for shot, path in PAGES.items():
+                    page.goto(url + path, wait_until="networkidle")
+                    out = args.out / f"{shot}-{name}.png"
+                    page.screenshot(path=out)
+                    print(out)
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.set_default_timeout(TIMEOUT_MS)
+            rows = ["| query | first pages found |", "| --- | --- |"]
+            for i, query in enumerate(SEARCHES):
+                found = search(page, url, query)
+                rows.append(f"| `{query}` | {', '.join(found[:SHOWN])} |")
+                if i == 0:
+                    page.screenshot(path=args.out / "search-desktop.png")
+                    print(args.out / "search-desktop.png")
+            (args.out / "search.md").write_text("\n".join(rows) + "\n")
+            print(args.out / "search.md")
+            browser.close()
     finally:
         server.shutdown()
     return 0
