@@ -198,6 +198,7 @@ class CheckpointManager:
 
     @property
     def directory(self) -> epath.Path:
+        """The directory, as a path (`etils.epath.Path`: local, gs:// or s3://)."""
         return self._store.directory
 
     def _take_lock(

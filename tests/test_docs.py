@@ -380,6 +380,13 @@ def test_api_at_a_glance_links_every_public_method_and_nothing_else():
     linked = set(re.findall(r"\]\[(jaxckpt\.[\w.]+)\]", overview))
     classes = {n: v for n in jaxckpt.__all__ if inspect.isclass(v := getattr(jaxckpt, n))}
     members = {f"jaxckpt.{n}.{m}" for n, cls in classes.items() for m in public_members(cls)}
+    undocumented = {  # the reference shows no member without a docstring: a dead link
+        f"{n}.{m}"
+        for n, cls in classes.items()
+        for m in public_members(cls)
+        if not inspect.getdoc(getattr(cls, m))
+    }
+    assert not undocumented, "public, but without a docstring"
     assert members - linked == set(), "public, but not in API at a glance"
     functions = {f"jaxckpt.{n}" for n in jaxckpt.__all__ if n != "errors"}
     assert linked - members - functions == set(), "linked, but not public"
