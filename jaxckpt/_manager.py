@@ -36,7 +36,8 @@ from jaxckpt import (
 from jaxckpt._checks import check_json, check_step, gc_paused
 from jaxckpt._local import LocalTier
 from jaxckpt._lock import MAX_LEASE_S, ObjectLease, WriterLock, writer_lock
-from jaxckpt._plan import RestorePlan, auto_inflight_bytes
+from jaxckpt._memory import auto_inflight_bytes
+from jaxckpt._plan import RestorePlan
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import Notices, PreemptionPolicy
 from jaxckpt._reader import Reader
@@ -71,8 +72,9 @@ class CheckpointManager:
         save), `ProcessesMissingError`, naming those that did not come ([Deadlines](deadlines.md)).
       restore_inflight_bytes: a restore reads its leaves in batches of at most this many
         bytes per process (or one larger leaf), which bounds its host staging memory (see
-        `plan`). None: a quarter of the host's memory (of the smallest host's, in a
-        multi-process job), so that a state which fits is read at once.
+        `plan`); each slice's staging goes back to the system once it is on its device.
+        None: 256 MiB, or a quarter of the host's memory where that is less (of the
+        smallest host's, in a multi-process job).
       compression: None (the default: raw bytes) or "zstd". zstd stores float weights ~7%
         smaller and writes them at about half the rate (BENCHMARKS.md). Steps saved either
         way restore the same. zstd is tensorstore's, on Orbax arrays: with it every leaf is

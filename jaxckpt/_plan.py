@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import jax
 
-from jaxckpt import _agree
 from jaxckpt._tree import ReadRequest
 
 ProcessOf = Callable[[jax.Device], int]
@@ -41,14 +39,12 @@ class ProcessPlan:
       process: the process index.
       read_bytes: bytes of array data this process reads from storage.
       device_bytes: bytes its devices hold afterwards (replicas counted on each device).
-      peak_host_bytes: estimated peak host memory of the restore above what the process held
-        before: on CPU devices (whose memory is host memory) the restored arrays themselves,
-        plus half of the largest batch read at once (decoded slices wait there for their
-        device copy; a batch reads at most `restore_inflight_bytes`, or one larger leaf),
-        plus a quarter of all it reads (freed staging that the allocator keeps), plus
-        RESTORE_FIXED_BYTES. Fitted to measured restores of 128 MiB to 1 GiB on CPU devices,
-        full and partial, with budgets from 16 MiB to all at once: within 0.84-1.14x of each
-        peak (benchmarks/plan_memory.py).
+      peak_host_bytes: a bound on the peak host memory of the restore above what the
+        process held before: on CPU devices (whose memory is host memory) the restored
+        arrays themselves, plus 1.25x the largest batch read at once (at most
+        `restore_inflight_bytes`, or one larger leaf), plus RESTORE_FIXED_BYTES. Restores of
+        64 MiB to 1.5 GiB on 8 CPU devices stayed below it with any budget
+        (benchmarks/restore_memory.py).
     """
 
     process: int
@@ -121,43 +117,29 @@ def plan_reads(
             batch_peak[p] = max(batch_peak[p], in_batch[p])
     on_cpu = jax.devices()[0].platform == "cpu" if devices_on_host is None else devices_on_host
     plans = tuple(
-        ProcessPlan(p, read[p], held[p], peak_host_bytes(read[p], batch_peak[p], held[p], on_cpu))
+        ProcessPlan(p, read[p], held[p], peak_host_bytes(batch_peak[p], held[p], on_cpu))
         for p in hosts
     )
     total = sum(math.prod(r.shape) * r.dtype.itemsize for r in requests.values())
     return RestorePlan(step=step, leaves=len(requests), saved_bytes=total, processes=plans)
 
 
-# What a restore of any size costs a process: a constant of the fit below (thread pools,
-# tensorstore's context and caches; a restore of a few KiB measured 3 MiB).
+# What a restore of any size costs a process beyond its staging: thread pools,
+# tensorstore's context and caches, the placing functions compiled.
 RESTORE_FIXED_BYTES = 32 * 2**20
 
 
-def peak_host_bytes(read: int, batch: int, held: int, devices_on_host: bool) -> int:
-    """A process's peak host memory above its baseline while it restores: reading `read`
-    bytes, at most `batch` of them at once, onto devices that hold `held` bytes.
+def peak_host_bytes(batch: int, held: int, devices_on_host: bool) -> int:
+    """A bound on a process's peak host memory above its baseline while it restores, at
+    most `batch` bytes read at once, onto devices that hold `held` bytes.
 
-    Measured (benchmarks/results/plan_memory.md): a 256 MiB state on 8 CPU devices peaked
-    at 1.54-1.82x the bytes read in full, 1.70-2.37x in part (half of it), for budgets from
-    16 MiB to all at once. Those restores' arrays are host memory (`held`); decoded slices
-    wait for their device copy (about half a batch at once), and the allocator keeps part
-    of the staging freed by earlier batches (about a quarter of all read).
+    Each slice is read into a host buffer, copied onto its device and the buffer freed and
+    handed back to the system (`_memory.returning_freed`): the staging of one batch at a
+    time, 1.25x it for the allocator's rounding, and a fixed cost. On CPU devices the
+    restored arrays are host memory too (`held`).
     """
-    staging = batch // 2 + read // 4 + RESTORE_FIXED_BYTES if read else 0
+    staging = batch * 5 // 4 + RESTORE_FIXED_BYTES if batch else 0
     return (held if devices_on_host else 0) + staging
-
-
-def auto_inflight_bytes() -> int:
-    """A quarter of this host's memory, at least 128 MiB; in a multi-process job the
-    smallest host's, since every process must read the same batches."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        total = 4 * 2**30
-    mib = max(128, total // 4 // 2**20)
-    if jax.process_count() > 1:
-        mib = min(int(found) for found in _agree.gather(str(mib)))
-    return mib * 2**20
 
 
 def read_batches(

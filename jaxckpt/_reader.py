@@ -40,7 +40,8 @@ from jaxckpt import _agree, _integrity, _iterators, _layout, _listing, _orbax, _
 from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
-from jaxckpt._plan import RestorePlan, auto_inflight_bytes, plan_reads, read_batches
+from jaxckpt._memory import auto_inflight_bytes
+from jaxckpt._plan import RestorePlan, plan_reads, read_batches
 from jaxckpt._store_errors import naming_the_store, store_failed
 from jaxckpt._tree import ReadRequest
 from jaxckpt._trees import Restored, Wanted, check_data, read_trees

@@ -15,6 +15,7 @@ import jax
 from jaxckpt import _iterators, _layout
 from jaxckpt._agree import refusing
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
+from jaxckpt._memory import returning_freed
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import DataStateError, JaxckptError, TreeMismatchError
 
@@ -134,9 +135,10 @@ def read_trees(info: _layout.StepInfo, wanted: Wanted, read_arrays: ReadArrays) 
             step,
         )
     trees = {}
-    for item, target, home, partial in items(info, wanted):
-        requests, rebuild = plan_item(info, item, target, home, partial)
-        trees[item] = rebuild(read_arrays(info, item, requests))
+    with returning_freed():  # each slice's staging back to the system once on its device
+        for item, target, home, partial in items(info, wanted):
+            requests, rebuild = plan_item(info, item, target, home, partial)
+            trees[item] = rebuild(read_arrays(info, item, requests))
     return Restored(
         step=step, state=trees[_layout.STATE], rng=trees.get(_layout.RNG), meta=info.meta, data=None
     )

@@ -136,10 +136,10 @@ def test_plan_onto_another_mesh_and_hosts(two_steps):
     for p in doc["processes"]:
         assert p["read_bytes"] == w // 2 + b + count + host
         assert p["device_bytes"] == w // 2 + 4 * (b // 4) + 4 * count
-        # Device memory is not host memory here: half the one batch read, a quarter of all
-        # read, and the fixed cost (jaxckpt._plan.peak_host_bytes).
+        # Device memory is not host memory here: 1.25x the one batch read and the fixed
+        # cost (jaxckpt._plan.peak_host_bytes).
         read = p["read_bytes"]
-        assert p["peak_host_bytes"] == read // 2 + read // 4 + RESTORE_FIXED_BYTES
+        assert p["peak_host_bytes"] == read * 5 // 4 + RESTORE_FIXED_BYTES
     # A mesh without "data": w keeps its spec only where it fits, else replicated, named.
     onto = json.loads(cli("plan", two_steps, "--mesh", "3", "--axes", "x", "--json").output)
     assert sorted(onto["planned_replicated"]) == ["b", "w"]

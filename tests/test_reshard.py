@@ -250,12 +250,10 @@ def test_plan_reports_per_process_reads_before_reading(saved, ckpt_dir):
         # Replicas count on each device: odd (x4 over "model"), rep (x2 over "data"),
         # key and count (x8); w and b are split over all 8 devices.
         assert process.device_bytes == 4096 + 64 + 4 * 240 + 2 * 24 + 8 * 8 + 8 * 4
-        # On CPU devices the restored arrays are host memory; then half the largest batch
-        # read at once (w alone: 4096 bytes > the 1024 budget), a quarter of all bytes read
-        # and a fixed cost (fitted to measured restores: benchmarks/plan_memory.py).
-        assert process.peak_host_bytes == (
-            process.device_bytes + 4096 // 2 + stored // 4 + RESTORE_FIXED_BYTES
-        )
+        # On CPU devices the restored arrays are host memory; then 1.25x the largest batch
+        # read at once (w alone: 4096 bytes > the 1024 budget) and a fixed cost (a bound:
+        # benchmarks/restore_memory.py).
+        assert process.peak_host_bytes == process.device_bytes + 4096 * 5 // 4 + RESTORE_FIXED_BYTES
         assert "restore plan for step 1: 6 leaves" in str(plan)
 
         (replicated,) = m.plan(state=jaxckpt.target_on_mesh(abstract(saved), mesh, P())).processes

@@ -158,7 +158,8 @@ def plan(checkpoint_dir, mesh, axes, hosts, step, item, inflight_bytes, as_json)
     import jax
     import numpy as np
 
-    from jaxckpt._plan import auto_inflight_bytes, plan_reads
+    from jaxckpt._memory import auto_inflight_bytes
+    from jaxckpt._plan import plan_reads
     from jaxckpt._targets import requests_on_mesh
 
     _, info, which = step_info(checkpoint_dir, step, item)

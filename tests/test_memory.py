@@ -1,0 +1,79 @@
+"""What a restore does to the process's allocator (`jaxckpt._memory`): the staging it frees
+goes back to the system, and the allocator's rule is glibc's own again afterwards.
+
+Each case runs in a fresh interpreter (glibc's threshold is process-wide, and once set
+stays set) on memory the child touches and frees itself; what it reports is the kernel's
+count of its resident pages (/proc/self/statm), not a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_python
+from jaxckpt import _memory
+
+pytestmark = pytest.mark.skipif(
+    _memory._glibc() is None, reason="glibc's allocator only: elsewhere the module does nothing"
+)
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    from jaxckpt import _memory
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def churn():
+        # 16 slices of 8 MiB staged and freed below a block that stays: what the heap
+        # keeps of them cannot be trimmed from its top
+        staged = [bytearray(os.urandom(1)) * (8 << 20) for _ in range(16)]
+        kept.append(bytearray(1 << 20))
+        del staged[:]
+
+    kept = []
+    warm = bytearray(16 << 20)  # a freed large block: glibc's threshold rises past 8 MiB
+    del warm
+    base = rss()
+    case = sys.argv[1]
+    if case == "plain":
+        churn()
+    elif case == "inside":
+        with _memory.returning_freed():
+            churn()
+            held = rss() - base
+    elif case == "nested":
+        with _memory.returning_freed():
+            with _memory.returning_freed():
+                pass
+            churn()
+            held = rss() - base
+    elif case == "after":
+        with _memory.returning_freed():
+            pass
+        churn()
+    if case in ("plain", "after"):
+        held = rss() - base
+    print(json.dumps(held / 2**20))
+    """
+)
+
+
+def held_mib(case: str) -> float:
+    """MiB the child still holds after staging and freeing 128 MiB (`case`: how)."""
+    return json.loads(run_python("-c", CHILD, case).stdout.splitlines()[-1])
+
+
+def test_staging_freed_inside_a_restore_goes_back_to_the_system():
+    assert held_mib("plain") > 100  # glibc's own rule: the heap keeps what was freed
+    assert held_mib("inside") < 16  # each slice was pages of its own, unmapped when freed
+
+
+def test_the_rule_is_glibcs_own_again_once_the_last_restore_ends():
+    assert held_mib("nested") < 16  # an inner restore ending leaves the outer's rule
+    assert held_mib("after") > 100  # below 32 MiB, blocks come from the heap again
