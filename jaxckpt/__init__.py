@@ -17,6 +17,7 @@ from jaxckpt._plan import RestorePlan as RestorePlan
 from jaxckpt._policy import RetentionPolicy as RetentionPolicy
 from jaxckpt._policy import SavePolicy as SavePolicy
 from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
+from jaxckpt._targets import restore_or_init as restore_or_init
 from jaxckpt._targets import target_from_flax as target_from_flax
 from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
@@ -50,6 +51,7 @@ __all__ = [
     "leaf_name",
     "load_safetensors",
     "open",
+    "restore_or_init",
     "save_safetensors",
     "target_from_flax",
     "target_like",

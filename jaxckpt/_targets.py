@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -30,6 +30,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxckpt._match import replicated_sharding
 from jaxckpt._tree import KeyPath, LeafSpec, ReadRequest, leaf_name
 from jaxckpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxckpt._manager import CheckpointManager
 
 log = logging.getLogger("jaxckpt")
 
@@ -193,3 +196,37 @@ def target_like(state: Any) -> Any:
         return leaf
 
     return jax.tree.map(abstract, state)
+
+
+def restore_or_init(
+    manager: CheckpointManager, init: Callable[..., Any], *args: Any, shardings: Any = None
+) -> tuple[Any, int]:
+    """The state to train from, and its step: the latest committed step restored onto the
+    shapes `init(*args)` makes, or where the directory holds none, `init(*args)` itself
+    and step 0 (Levanter's `load_checkpoint_or_initialize`).
+
+    The target is [`jax.eval_shape`][jax.eval_shape] of `init` under `jax.jit` with
+    `out_shardings=shardings`: nothing is allocated twice, and the restored state lands
+    where a fresh one would.
+
+    >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
+    >>> init = lambda: {"w": jnp.zeros(3)}
+    >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...     state, step = jaxckpt.restore_or_init(mngr, init)  # nothing saved: init()
+    ...     mngr.save(7, state={"w": jnp.arange(3.0)})
+    ...     state, step = jaxckpt.restore_or_init(mngr, init)
+    >>> step, state["w"].tolist()
+    (7, [0.0, 1.0, 2.0])
+
+    Args:
+      manager: the manager of the run's directory.
+      init: makes the state from `args` (a model and its optimizer state, say).
+      shardings: where the state's arrays go (a sharding, or a tree of them like the
+        state's), as `jax.jit`'s `out_shardings`; None: where `init` puts them.
+    """
+    made = jax.jit(init, out_shardings=shardings)
+    latest = manager.latest_step()
+    if latest is None:
+        return made(*args), 0
+    restored = manager.restore(latest, state=jax.eval_shape(made, *args))
+    return restored.state, restored.step

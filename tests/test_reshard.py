@@ -128,6 +128,25 @@ def test_target_like_keeps_live_shardings(saved, ckpt_dir):
         assert restored.state[name].sharding == value.sharding
 
 
+def test_restore_or_init_initializes_then_restores_onto_the_shardings_given(ckpt_dir):
+    """Nothing saved: init's own state and step 0; then the latest step, each leaf onto the
+    sharding given for it (init's `out_shardings`)."""
+
+    def init(scale):
+        return {"w": jnp.ones((64, 16)) * scale, "n": jnp.int32(0)}
+
+    mesh = make_mesh((2, 4), ("data", "model"))
+    onto = {"w": NamedSharding(mesh, P("model", "data")), "n": NamedSharding(mesh, P())}
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        state, step = jaxckpt.restore_or_init(m, init, 2.0, shardings=onto)
+        assert step == 0 and float(state["w"][0, 0]) == 2.0 and state["w"].sharding == onto["w"]
+        m.save(3, state={"w": state["w"] + 1, "n": state["n"] + 3})
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        state, step = jaxckpt.restore_or_init(m, init, 2.0, shardings=onto)
+    assert step == 3 and int(state["n"]) == 3 and float(state["w"][5, 5]) == 3.0
+    assert {k: v.sharding for k, v in state.items()} == onto
+
+
 def test_partial_restore_of_a_subtree(mesh, ckpt_dir):
     state = {"params": saved_state(mesh), "opt_state": {"mu": jnp.ones((64, 16))}}
     with jaxckpt.CheckpointManager(ckpt_dir) as m:
