@@ -1,77 +1,147 @@
-"""One process of `restore_memory.py`: saves the state ("save") or restores it onto a (2, 4)
-mesh ("restore") and prints `RESULT <json>`: peak RSS above its baseline, bytes decoded,
-seconds, and what `plan` predicted.
+"""One process of `restore_memory.py`: writes a state the way one tool writes it ("save"),
+or restores it with that tool ("restore") and prints `RESULT <json>`: peak RSS above its
+baseline (sampled every 2 ms, and the kernel's high-water mark), what it still holds after,
+the state's share of this process, seconds, and (jaxckpt) what `plan` bounded.
 
-    python -m benchmarks.restore_memory_worker MODE DIRECTORY PROCESSES PROCESS_ID DEVICES
-        PORT LEAVES ROWS COLS VERIFY(0|1) INFLIGHT(bytes|auto)
+    python -m benchmarks.restore_memory_worker MODE TOOL DIRECTORY PROCESSES PROCESS_ID
+        DEVICES PORT MIB MESH(same|reshard) BUDGET(MiB|auto)
+
+JAXCKPT_TREE in the environment: jaxckpt imported from that tree. TOOL: jaxckpt (a `CheckpointManager`), orbax (plain `ocp.StandardCheckpointer`, its own
+checkpoint) or tensorstore (a zarr3 array per leaf, each device's slice read by
+tensorstore and placed, as `jax.make_array_from_callback` does: no checkpoint library).
 """
 
 import json
 import os
 import resource
 import sys
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
-import tensorstore as ts
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxckpt
 from reliability import launch
 
+if tree := os.environ.get("JAXCKPT_TREE"):  # jaxckpt as of another commit (--before)
+    sys.path.insert(0, tree)
 
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+LEAVES = 16
 
 
-def decoded():
-    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
-        if m["name"].endswith("bytes_read"):
-            return m["values"][0]["value"]
-    return 0
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Peak:
+    """The largest RSS seen by a thread sampling every 2 ms."""
+
+    def __init__(self) -> None:
+        self.value, self._stop = rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.value = max(self.value, rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.value, rss())
+
+
+def tensorstore_spec(directory: str, name: str) -> dict:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{directory}/{name}"}}
 
 
 def main() -> None:
-    mode, directory, processes, process_id, devices, port, leaves, rows, cols, verify, inflight = (
-        sys.argv[1:]
-    )
-    processes, leaves, shape = int(processes), int(leaves), (int(rows), int(cols))
+    mode, tool, directory, processes, process_id, devices, port, mib, mesh_kind, budget = sys.argv[
+        1:
+    ]
+    processes, mib = int(processes), int(mib)
     launch.join_job(devices, processes, int(process_id), port)
+    rows = 1024
+    shape = (rows, mib * 2**20 // 4 // LEAVES // rows)
     auto = (jax.sharding.AxisType.Auto,) * 2
-    abstract = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(leaves)}
+    saved_mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
+    abstract = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(LEAVES)}
     if mode == "save":
-        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
-        sharding = NamedSharding(mesh, P("data", "model"))
+        sharding = NamedSharding(saved_mesh, P("data", "model"))
         make = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=sharding)
         state = {name: make(jax.random.key(i)) for i, name in enumerate(abstract)}
-        with jaxckpt.CheckpointManager(directory) as m:
-            m.save(1, state=state)
+        if tool == "jaxckpt":
+            import jaxckpt
+
+            with jaxckpt.CheckpointManager(directory) as m:
+                m.save(1, state=state)
+        elif tool == "orbax":
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as c:
+                c.save(f"{directory}/state", state)
+        else:
+            import tensorstore as ts
+
+            for name, array in state.items():
+                spec = {**tensorstore_spec(directory, name), "metadata": {}}
+                t = ts.open(spec, create=True, dtype=ts.float32, shape=shape).result()
+                t.write(np.asarray(array)).result()
         print("RESULT {}")
-    else:
-        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
-        target = jaxckpt.target_on_mesh(abstract, mesh, P("model", "data"))
+        return
+    mesh = saved_mesh if mesh_kind == "same" else jax.make_mesh((2, 4), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) for n in abstract}
+    share = mib * 2**20 // processes  # each process's devices hold an equal part
+    plan_peak = None
+    if tool == "jaxckpt":
+        import jaxckpt
+
         m = jaxckpt.CheckpointManager(
             directory,
             read_only=True,
-            verify_on_restore=verify == "1",
-            restore_inflight_bytes=None if inflight == "auto" else int(inflight),
+            restore_inflight_bytes=None if budget == "auto" else int(budget) * 2**20,
         )
-        plan = m.plan(state=target).processes[jax.process_index()]
-        base, before, t0 = rss(), decoded(), time.perf_counter()
-        restored = m.restore(state=target)
-        jax.block_until_ready(restored.state)
-        seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        report = {
-            "peak_above": peak - base,
-            "decoded": decoded() - before,
-            "seconds": seconds,
-            "plan_read": plan.read_bytes,
-            "plan_peak": plan.peak_host_bytes,
-        }
-        print("RESULT " + json.dumps(report))
+        plan_peak = m.plan(state=target).processes[jax.process_index()].peak_host_bytes
+        restore = lambda: m.restore(state=target).state  # noqa: E731
+    elif tool == "orbax":
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        restore = lambda: checkpointer.restore(f"{directory}/state", target)  # noqa: E731
+    else:
+        import tensorstore as ts
+
+        def restore():
+            out = {}
+            for name in abstract:
+                t = ts.open(tensorstore_spec(directory, name)).result()
+                out[name] = jax.make_array_from_callback(
+                    shape, sharding, lambda index, t=t: t[index].read().result()
+                )
+            return out
+
+    base = rss()
+    peak = Peak()
+    t0 = time.perf_counter()
+    restored = restore()
+    jax.block_until_ready(restored)
+    seconds = time.perf_counter() - t0
+    top = peak.stop()
+    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = {
+        "peak_above": top - base,
+        "high_water_above": high_water - base,
+        "after_above": rss() - base,
+        "share": share,
+        "seconds": seconds,
+        "plan_peak": plan_peak,
+    }
+    print("RESULT " + json.dumps(report))
 
 
 if __name__ == "__main__":

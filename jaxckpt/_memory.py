@@ -1,14 +1,16 @@
 """The host memory a restore holds: its budget, and the staging it hands back.
 
 A restore reads each slice into a host buffer, copies it onto its device and frees the
-buffer. Under glibc's default rule those buffers come from the heap once a large one has
-been freed (its mmap threshold rises to the largest freed block, up to 32 MiB), and the
-heap keeps what is freed: a restore of 1.5 GiB onto 8 CPU devices peaked at 1.7-1.9x the
-state, and 1.5x stayed held after it (benchmarks/restore_memory.py). Inside
-`returning_freed()` every block of `MAPPED_BYTES` or more is mapped pages of its own,
-unmapped the moment it is freed; the same restore peaks at 1.04x. On leaving, the threshold
-is set where glibc's own rule takes it in a process that has freed a large block
-(`HEAP_BYTES`), and whatever the heap holds free is handed back (`malloc_trim`).
+buffer. On accelerators the heap reuses those buffers batch after batch (the budget bounds
+them), and what it holds at the end is handed back (`malloc_trim`). On CPU devices the
+restored arrays are host memory too, allocated between the freed buffers: under glibc's
+default rule (its mmap threshold rises to the largest block freed, up to 32 MiB) the heap
+kept the freed staging beside them, and a restore of 1.5 GiB onto 8 CPU devices peaked at
+1.7-1.9x the state, 1.5x staying held after it (benchmarks/restore_memory.py). There,
+inside `returning_freed()` every block of `MAPPED_BYTES` or more is mapped pages of its
+own, unmapped the moment it is freed: the same restore peaks at 1.03-1.05x, and takes
+about 0.3 s more per GiB (the fresh pages are faulted in). On leaving, the threshold is set
+where glibc's own rule takes it in a process that has freed a large block (`HEAP_BYTES`).
 
 Without glibc (musl, macOS, or tcmalloc preloaded, which ignores `mallopt`) this does
 nothing, and the budget alone bounds the staging.
@@ -58,25 +60,28 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 @contextlib.contextmanager
-def returning_freed() -> Iterator[None]:
-    """A block in which freed staging goes back to the operating system (see above)."""
+def returning_freed(devices_on_host: bool | None = None) -> Iterator[None]:
+    """A block in which freed staging goes back to the operating system (see above);
+    `devices_on_host`: whether the devices' memory is host memory (None: CPU devices)."""
     global _inside
     libc = _glibc()
     if libc is None:
         yield
         return
+    if devices_on_host is None:
+        devices_on_host = jax.devices()[0].platform == "cpu"
     with _lock:
-        if _inside == 0:
+        if _inside == 0 and devices_on_host:
             libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_BYTES)
-        _inside += 1
+        _inside += devices_on_host
     try:
         yield
     finally:
         with _lock:
-            _inside -= 1
-            if _inside == 0:
+            _inside -= devices_on_host
+            if _inside == 0 and devices_on_host:
                 libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BYTES)
-                libc.malloc_trim(0)
+            libc.malloc_trim(0)
 
 
 def auto_inflight_bytes() -> int:

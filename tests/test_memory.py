@@ -44,20 +44,27 @@ CHILD = textwrap.dedent(
     if case == "plain":
         churn()
     elif case == "inside":
-        with _memory.returning_freed():
+        with _memory.returning_freed(devices_on_host=True):
             churn()
             held = rss() - base
     elif case == "nested":
-        with _memory.returning_freed():
-            with _memory.returning_freed():
+        with _memory.returning_freed(devices_on_host=True):
+            with _memory.returning_freed(devices_on_host=True):
                 pass
             churn()
             held = rss() - base
     elif case == "after":
-        with _memory.returning_freed():
+        with _memory.returning_freed(devices_on_host=True):
             pass
         churn()
-    if case in ("plain", "after"):
+    elif case == "accelerators":  # staging reused from the heap, trimmed on leaving
+        with _memory.returning_freed(devices_on_host=False):
+            churn()
+            held = rss() - base
+    elif case == "accelerators-after":
+        with _memory.returning_freed(devices_on_host=False):
+            churn()
+    if case in ("plain", "after", "accelerators-after"):
         held = rss() - base
     print(json.dumps(held / 2**20))
     """
@@ -72,6 +79,14 @@ def held_mib(case: str) -> float:
 def test_staging_freed_inside_a_restore_goes_back_to_the_system():
     assert held_mib("plain") > 100  # glibc's own rule: the heap keeps what was freed
     assert held_mib("inside") < 16  # each slice was pages of its own, unmapped when freed
+
+
+def test_on_accelerators_staging_is_reused_from_the_heap_and_handed_back_after():
+    """Where devices have memory of their own, only staging is on the host: the heap's
+    reuse keeps it warm (mapped pages would be faulted in anew for every byte), and what
+    it holds when the restore ends goes back."""
+    assert held_mib("accelerators") > 100  # the heap's, as glibc's rule has it
+    assert held_mib("accelerators-after") < 16  # trimmed once nothing uses it
 
 
 def test_the_rule_is_glibcs_own_again_once_the_last_restore_ends():
