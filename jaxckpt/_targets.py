@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jaxckpt._match import replicated_sharding
 from jaxckpt._tree import KeyPath, LeafSpec, ReadRequest, leaf_name
@@ -207,7 +207,8 @@ def restore_or_init(
 
     The target is [`jax.eval_shape`][jax.eval_shape] of `init` under `jax.jit` with
     `out_shardings=shardings`: nothing is allocated twice, and the restored state lands
-    where a fresh one would.
+    where a fresh one would. A save of this manager still in flight is waited for first,
+    as `restore` waits for it.
 
     >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
     >>> init = lambda: {"w": jnp.zeros(3)}
@@ -225,8 +226,17 @@ def restore_or_init(
         state's), as `jax.jit`'s `out_shardings`; None: where `init` puts them.
     """
     made = jax.jit(init, out_shardings=shardings)
+    manager.wait()  # as `restore` does: a process sees its own saves, its own failures
     latest = manager.latest_step()
     if latest is None:
         return made(*args), 0
-    restored = manager.restore(latest, state=jax.eval_shape(made, *args))
+    default = SingleDeviceSharding(jax.devices()[0])  # where jit puts what it is not told
+
+    def placed(leaf: Any) -> Any:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and not isinstance(leaf.sharding, Sharding):
+            return leaf.update(sharding=default)
+        return leaf
+
+    target = jax.tree.map(placed, jax.eval_shape(made, *args))
+    restored = manager.restore(latest, state=target)
     return restored.state, restored.step
