@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import io
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -525,9 +526,13 @@ def test_the_restore_walk_goes_down_no_module_imports_in_a_cycle_or_is_long():
 
     for module in sorted(graph.keys() - packages):
         assert cycle_from(module, [module]) is None, cycle_from(module, [module])
-    long = {
-        str(p.relative_to(REPO)): n
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
         for p in (REPO / "jaxckpt").rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 600
     }
-    assert not long, f"modules over 600 lines (split them by what they do): {long}"
+    # Over 550 lines a module is flagged for review (split it along a concern it holds,
+    # never pack it to fit); over 650 it fails.
+    if review := {m: n for m, n in sizes.items() if 550 < n <= 650}:
+        warnings.warn(f"modules over 550 lines, to split by what they do: {review}", stacklevel=1)
+    long = {m: n for m, n in sizes.items() if n > 650}
+    assert not long, f"modules over 650 lines (split them by what they do): {long}"
