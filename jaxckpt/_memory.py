@@ -59,29 +59,43 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def devices_on_host() -> bool:
+    """Whether this process's devices' memory is host memory (CPU devices)."""
+    return jax.devices()[0].platform == "cpu"
+
+
 @contextlib.contextmanager
-def returning_freed(devices_on_host: bool | None = None) -> Iterator[None]:
+def returning_freed(on_host: bool | None = None) -> Iterator[None]:
     """A block in which freed staging goes back to the operating system (see above);
-    `devices_on_host`: whether the devices' memory is host memory (None: CPU devices)."""
-    global _inside
+    `on_host`: whether the devices' memory is host memory (None: `devices_on_host()`)."""
     libc = _glibc()
     if libc is None:
         yield
         return
-    if devices_on_host is None:
-        devices_on_host = jax.devices()[0].platform == "cpu"
+    on_host = devices_on_host() if on_host is None else on_host
+    try:
+        with _mapped(libc) if on_host else contextlib.nullcontext():
+            yield
+    finally:
+        libc.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def _mapped(libc: ctypes.CDLL) -> Iterator[None]:
+    """Blocks of `MAPPED_BYTES` or more mapped pages of their own, until the last of the
+    restores under way ends."""
+    global _inside
     with _lock:
-        if _inside == 0 and devices_on_host:
+        if _inside == 0:
             libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_BYTES)
-        _inside += devices_on_host
+        _inside += 1
     try:
         yield
     finally:
         with _lock:
-            _inside -= devices_on_host
-            if _inside == 0 and devices_on_host:
+            _inside -= 1
+            if _inside == 0:
                 libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BYTES)
-            libc.malloc_trim(0)
 
 
 def auto_inflight_bytes() -> int:

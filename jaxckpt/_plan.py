@@ -15,6 +15,7 @@ from typing import Protocol
 
 import jax
 
+from jaxckpt import _memory
 from jaxckpt._tree import ReadRequest
 
 ProcessOf = Callable[[jax.Device], int]
@@ -115,7 +116,7 @@ def plan_reads(
                 in_batch[p] += nread
         for p in hosts:
             batch_peak[p] = max(batch_peak[p], in_batch[p])
-    on_cpu = jax.devices()[0].platform == "cpu" if devices_on_host is None else devices_on_host
+    on_cpu = _memory.devices_on_host() if devices_on_host is None else devices_on_host
     plans = tuple(
         ProcessPlan(p, read[p], held[p], peak_host_bytes(batch_peak[p], held[p], on_cpu))
         for p in hosts

@@ -44,25 +44,25 @@ CHILD = textwrap.dedent(
     if case == "plain":
         churn()
     elif case == "inside":
-        with _memory.returning_freed(devices_on_host=True):
+        with _memory.returning_freed(on_host=True):
             churn()
             held = rss() - base
     elif case == "nested":
-        with _memory.returning_freed(devices_on_host=True):
-            with _memory.returning_freed(devices_on_host=True):
+        with _memory.returning_freed(on_host=True):
+            with _memory.returning_freed(on_host=True):
                 pass
             churn()
             held = rss() - base
     elif case == "after":
-        with _memory.returning_freed(devices_on_host=True):
+        with _memory.returning_freed(on_host=True):
             pass
         churn()
     elif case == "accelerators":  # staging reused from the heap, trimmed on leaving
-        with _memory.returning_freed(devices_on_host=False):
+        with _memory.returning_freed(on_host=False):
             churn()
             held = rss() - base
     elif case == "accelerators-after":
-        with _memory.returning_freed(devices_on_host=False):
+        with _memory.returning_freed(on_host=False):
             churn()
     if case in ("plain", "after", "accelerators-after"):
         held = rss() - base
