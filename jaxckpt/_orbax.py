@@ -109,18 +109,16 @@ class OrbaxStore:
         self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
-        # zarr3, each chunk with a CRC-32C (`_internals.checksummed`): a restore checks
+        # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
         arrays = ocp.PyTreeCheckpointHandler(
             use_compression=compression == "zstd",
             use_zarr3=True,
             type_handler_registry=_orbax_items.registry(),
         )
+        _internals.install()  # Orbax's functions jaxckpt wraps, once in the process
         if not read_only:
-            _internals.checksummed(self.directory)
-            _internals.wake_on_failed_creation(self.directory)
-        if is_remote(self.directory):
-            _internals.object_kvstores()
+            _internals.own(self.directory)
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(
@@ -152,7 +150,7 @@ class OrbaxStore:
                 ),
                 # The step's folders are made in the background (Orbax's default: made in
                 # save() they doubled its blocking time), a failed creation waking every
-                # writer waiting for them (`_internals.wake_on_failed_creation`).
+                # writer waiting for them (`_internals.own`).
                 create_directories_asynchronously=True,
             ),
         )

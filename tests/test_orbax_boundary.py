@@ -1,8 +1,9 @@
-"""What jaxckpt relies on beyond Orbax's public API, one test each (`jaxckpt/_internals.py`,
-the one module fenced off for it): an Orbax or JAX upgrade that removes one fails here, by name, rather
+"""What jaxckpt relies on beyond Orbax's public API, one test each (`jaxckpt/_internals/`,
+the one package fenced off for it): an Orbax or JAX upgrade that removes one fails here, by name, rather
 than somewhere deep in a save. The text of JAX's coordination-service errors that
 `missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
 
+import asyncio
 import concurrent.futures
 import json
 import subprocess
@@ -139,7 +140,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
         m.save(1, state={"w": w})
     assert _chunk_codecs(tmp_path / "ours" / "1" / "state")[-1] == "crc32c", (
         "Orbax no longer builds its array specs in tensorstore_utils.build_array_write_spec "
-        "(or its zarr3 codecs moved): update _internals.checksummed"
+        "(or its zarr3 codecs moved): update _internals._wraps._checksums"
     )
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as plain:
         plain.save(tmp_path / "plain", args=ocp.args.PyTreeSave({"w": w}))
@@ -147,7 +148,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
 
 
 def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3_server):
-    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_internals.object_kvstores) makes
+    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_wraps._object_kvstores) makes
     # its specs of an s3:// folder tensorstore's s3 driver, for reads and writes alike.
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -162,7 +163,7 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
         spec = json.dumps(tensorstore_utils.build_kvstore_tspec("s3://b/k", use_ocdbt=ocdbt))
         assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
             "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
-            f"(or their GCS driver changed): update _internals.object_kvstores. Got {spec}"
+            f"(or their GCS driver changed): update _internals._wraps._object_kvstores. Got {spec}"
         )
     # Each store's driver tries a request 3 times, not tensorstore's 32 (issue 49).
     for url, retries in (
@@ -190,7 +191,9 @@ def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
         f"{_internals.WRITE_BARRIER!r} once a process's writes are done: update "
         "_internals.WRITE_BARRIER"
     )
-    assert hasattr(distributed.global_state, "client"), "update _internals._coordination"
+    assert hasattr(distributed.global_state, "client"), (
+        "update _internals._coordination._coordination"
+    )
     for method in ("key_value_set", "key_value_dir_get", "key_value_delete"):
         assert hasattr(_jax.DistributedRuntimeClient, method), f"update _internals: {method}"
 
@@ -235,7 +238,7 @@ def test_the_collectives_and_client_calls_counted_are_jaxs():
 
 def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_functions(tmp_path):
     # Orbax makes a step's folders in the background and its writers wait for them for 300 s;
-    # jaxckpt's wrap (_internals.wake_on_failed_creation) wakes them when the creation fails.
+    # jaxckpt's wrap (_internals._wraps._wakes) wakes them when the creation fails.
     directory = tmp_path / "ckpt"
     m = jaxckpt.CheckpointManager(directory)
     m.save(1, state={"w": np.ones((1024, 512), np.float32)})
@@ -260,7 +263,7 @@ def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_fu
             raise AssertionError(
                 "a save whose folders could not be made still waits for them: Orbax no "
                 "longer makes them in atomicity._create_paths, started by "
-                "atomicity.create_all_async: update _internals.wake_on_failed_creation"
+                "atomicity.create_all_async: update _internals._wraps._wakes"
             ) from None
         assert isinstance(error, jaxckpt.errors.SaveError), error
         assert "Permission denied" in str(error) or "Operation not permitted" in str(error), error
@@ -279,14 +282,15 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
     # jaxckpt's save starts its background once its blocking part returns
     # (_internals.writers_held, through the wrap of atomicity._create_paths).
     directory = epath.Path(tmp_path / "ckpt")
-    _internals.wake_on_failed_creation(directory)
+    _internals.install()
+    _internals.own(directory)
     m = ocp.CheckpointManager(directory)
     try:
         with _internals.writers_held() as hold:
             m.save(1, args=ocp.args.StandardSave({"w": np.ones((256, 256), np.float32)}))
             assert hold.parked.wait(timeout=60), (
                 "a held save never reached the creation of its folders: Orbax no longer makes "
-                "them in atomicity._create_paths: update _internals.wake_on_failed_creation"
+                "them in atomicity._create_paths: update _internals._wraps._wakes"
             )
             assert not [p.name for p in directory.iterdir() if p.name.startswith("1")]
         m.wait_until_finished()
@@ -295,3 +299,56 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
         assert np.array_equal(restored["w"], np.ones((256, 256), np.float32))
     finally:
         m.close()
+
+
+def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_buffer():
+    # A restore on CPU devices reads each byte once into its final buffer: Orbax reads every
+    # shard in serialization._read_shard, which jaxckpt's wrap (_wraps._aligned_reads) reads
+    # into a buffer JAX's CPU client takes as its own (else device_put copies it).
+    import inspect
+
+    import jax
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import serialization
+
+    _internals.install()
+    read_shard = serialization._read_shard
+    expected = ["t", "new_shard_shape", "dtype", "requested_domain", "restricted_domain"]
+    assert list(inspect.signature(read_shard).parameters) == expected, (
+        "Orbax's serialization._read_shard changed its arguments: update "
+        "_internals._wraps._aligned_reads"
+    )
+    source = inspect.getsource(serialization._read_array_index_and_device_put)
+    assert "await _read_shard(" in source and "jax.device_put(shard" in source, (
+        "Orbax no longer reads each shard in serialization._read_shard and places it with "
+        "jax.device_put: update _internals._wraps._aligned_reads"
+    )
+    stored = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    t = ts.array(stored)
+    for shape, domain in (((6, 8), ts.IndexDomain(shape=(6, 8))), ((8, 8), None)):
+        requested = ts.IndexDomain(shape=shape)
+        restricted = domain or t.domain.intersect(requested)
+        coroutine = read_shard(
+            t,
+            new_shard_shape=shape,
+            dtype=None,
+            requested_domain=requested,
+            restricted_domain=restricted,
+        )
+        shard = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, coroutine).result()
+        want = np.zeros(shape, np.float32)
+        want[:6] = stored  # stored smaller: the rest is zeros, as Orbax's own
+        np.testing.assert_array_equal(shard, want)
+        placed = jax.device_put(shard, jax.devices("cpu")[0])
+        assert placed.unsafe_buffer_pointer() == shard.ctypes.data, (
+            "JAX's CPU client copied an aligned host buffer: update _internals.CPU_ALIGNMENT"
+        )
+    cast = read_shard(
+        t,
+        new_shard_shape=(6, 8),
+        dtype=np.float16,
+        requested_domain=ts.IndexDomain(shape=(6, 8)),
+        restricted_domain=ts.IndexDomain(shape=(6, 8)),
+    )
+    got = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, cast).result()
+    assert got.dtype == np.float16 and np.array_equal(got, stored.astype(np.float16))
