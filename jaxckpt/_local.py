@@ -157,13 +157,13 @@ class Part:
 
 class LocalStore:
     """This process's local directory: local saves in a background thread of their own
-    (never behind a persistent save), their listing, checks and reads."""
+    (never behind a persistent save), their listing, checks and reads. The local tier's
+    `_stores.Store`."""
 
-    def __init__(
-        self, tier: LocalTier, *, read_only: bool = False, restore_inflight_bytes: int = 2**30
-    ):
+    shared = False  # each process reads its own part alone
+
+    def __init__(self, tier: LocalTier, *, read_only: bool = False):
         self.tier = tier
-        self._restore_inflight_bytes = restore_inflight_bytes
         self.directory = Path(absolute(tier.directory))
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jaxckpt-local")
         self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
@@ -441,13 +441,16 @@ class LocalStore:
     def info(self, step: int) -> _layout.StepInfo:
         return _layout.read_info(self.directory, step)
 
+    def layout(self, info: _layout.StepInfo) -> _transfer.PackedLayout:
+        """A local step is this process's packed leaves alone (checked with `holds`)."""
+        return _transfer.PackedLayout(self._part(info), info.step, self.directory)
+
     def read_arrays(
-        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
+        self, info: _layout.StepInfo, item: str, batch: Mapping[str, ReadRequest]
     ) -> dict[str, Any]:
-        """The named arrays of one item of a local step, each onto its sharding, from this
-        process's part alone (checked beforehand with `holds`)."""
-        part, budget = self._part(info), self._restore_inflight_bytes
-        return _transfer.read_packed(part, info, item, requests, budget, self.directory)
+        """The arrays `batch` names of one item of a local step, each onto its sharding,
+        from this process's part alone: one batch, as given."""
+        return self.layout(info).read(item, batch)
 
     def holds(
         self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]

@@ -167,7 +167,6 @@ class CheckpointManager:
             self._store = store(
                 directory,
                 timeout_s=timeout_s,
-                restore_inflight_bytes=restore_inflight_bytes,
                 compression=compression,
                 read_only=read_only,
                 lock=self._lock,
@@ -176,13 +175,7 @@ class CheckpointManager:
             undo.callback(self._store.close)
             # its listener for copies, made by every process at once (agreed by all)
             with _agree.deadline("the opening of the manager", timeout_s):
-                self._local = (
-                    local_store(
-                        local, read_only=read_only, restore_inflight_bytes=restore_inflight_bytes
-                    )
-                    if local
-                    else None
-                )
+                self._local = local_store(local, read_only=read_only) if local else None
             undo.pop_all()
         self._reader = Reader(
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes

@@ -36,8 +36,8 @@ from jaxckpt import (
 )
 from jaxckpt._deleter import Deleter
 from jaxckpt._lock import ObjectLease, WriterLock
-from jaxckpt._plan import read_batches
 from jaxckpt._storage import absolute, is_remote, open_inside, small_file_limit
+from jaxckpt._stores import Layout
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -71,14 +71,15 @@ class _UnlistedSteps:
 
 class OrbaxStore:
     """Async saves and reads of jaxckpt steps through one Orbax `CheckpointManager`; the
-    owner of the commit protocol (see `save`)."""
+    owner of the commit protocol (see `save`). The persistent tier's `_stores.Store`."""
+
+    shared = True  # one copy of each step for the whole job
 
     def __init__(
         self,
         directory: str | epath.PathLike,
         *,
         timeout_s: float = 1200,
-        restore_inflight_bytes: int = 2**30,
         compression: str | None = None,
         read_only: bool = False,
         lock: WriterLock | ObjectLease | None = None,
@@ -106,7 +107,6 @@ class OrbaxStore:
         self._packed: dict[tuple[epath.Path, str | None], _packed_read.PackedStep] = {}
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
-        self._restore_inflight_bytes = restore_inflight_bytes
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
@@ -388,45 +388,23 @@ class OrbaxStore:
         if (step := self._saving) is not None and step != self._noted:  # committed
             self.listed, self._noted = tuple(sorted({*self.listed, step})), step
 
-    def read_arrays(
-        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
-    ) -> dict[str, Any]:
-        """Reads the named arrays of one item of a step, each onto its sharding (or to the
-        host); of a plain Orbax step, of its pytree item `info.item`."""
-        step = info.step
-        out = {name: _transfer.empty(r) for name, r in requests.items() if 0 in r.shape}
-        to_read = {name: r for name, r in requests.items() if name not in out}
-        if packed := {n: r for n, r in to_read.items() if n in info.packed.get(item, ())}:
-            to_read = {n: r for n, r in to_read.items() if n not in packed}
-            out.update(self._read_packed(info, item, packed))
-        if info.orbax is None and to_read and not (self.step_dir(step) / item).exists():
-            # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
-            name, request = next(iter(to_read.items()))
-            _transfer.check_read(step, item, name, None, request, self.directory)
-        # One Orbax restore per batch bounds the bytes in flight. (Orbax's own limiter,
-        # restore_concurrent_gb, wakes every waiting leaf on each release: restoring
-        # thousands of leaves under it took 2.5x longer.)
-        batches = read_batches(to_read, self._restore_inflight_bytes)
-        if info.orbax is None and to_read:
-            self._check_sizes(info, item)
+    def layout(self, info: _layout.StepInfo) -> Layout:
+        """How the step is read: a step plain Orbax wrote through Orbax alone, one of
+        jaxckpt's as Orbax's arrays and the packed leaves."""
         if info.orbax is not None:
-            item = info.item
-            path = info.orbax.item_dir(item)
-            tree = self._item_tree(path)
-            if _orbax_steps.legacy(path):  # Orbax reads every leaf of such an item on each restore
-                batches = [list(to_read)]
-        for batch in batches:
-            with _transfer.read_errors(step, item, self.directory):
-                if info.orbax is None:
-                    got = self._read_batch(step, item, {n: to_read[n] for n in batch})
-                else:
-                    got = _orbax_steps.read_batch(path, tree, {n: to_read[n] for n in batch})
-            for name in batch:
-                _transfer.check_read(step, item, name, got.get(name), to_read[name], self.directory)
-            out.update(got)
-        return out
+            path = info.orbax.item_dir(info.item)
+            return _orbax_steps.OrbaxLayout(info, self._item_tree(path), self.directory)
+        return JaxckptLayout(self, info)
 
-    def _check_sizes(self, info: _layout.StepInfo, item: str) -> None:
+    def read_arrays(
+        self, info: _layout.StepInfo, item: str, batch: Mapping[str, ReadRequest]
+    ) -> dict[str, Any]:
+        """The arrays `batch` names of one item of a step (none zero-size), each onto its
+        sharding (or to the host), as the step's layout reads them: one batch, as given (a
+        seam of this class, which a faulty store freezes or counts)."""
+        return self.layout(info).read(item, batch)
+
+    def check_sizes(self, info: _layout.StepInfo, item: str) -> None:
         """Before Orbax reads an item of a jaxckpt step: CorruptCheckpointError naming each
         file it would read whole that is swollen (`_oversized`)."""
         if problems := self._oversized(info.folder(self.directory) / item, info.saved_at):
@@ -442,19 +420,6 @@ class OrbaxStore:
             return problems
         self._sized = {k for k in self._sized if k[0] != folder} | {key}
         return []
-
-    def _read_packed(
-        self, info: _layout.StepInfo, item: str, requests: Mapping[str, ReadRequest]
-    ) -> dict[str, Any]:
-        """The packed leaves `requests` names."""
-        return _transfer.read_packed(
-            self.packed_step(info, item),
-            info,
-            item,
-            requests,
-            self._restore_inflight_bytes,
-            self.directory,
-        )
 
     def packed_step(self, info: _layout.StepInfo, item: str) -> _packed_read.PackedStep:
         """The step's packed leaves, each process's index read once a step."""
@@ -475,7 +440,10 @@ class OrbaxStore:
         """Opens a file of a step's packed leaves to read (`_storage.open_inside`)."""
         return open_inside(folder, name, size)
 
-    def _read_batch(self, step: int, item: str, batch: Mapping[str, ReadRequest]) -> dict:
+    def read_orbax_arrays(
+        self, step: int, item: str, batch: Mapping[str, ReadRequest]
+    ) -> dict[str, Any]:
+        """The Orbax arrays `batch` names of an item of a jaxckpt step, unchecked."""
         args = ocp.args.PyTreeRestore(
             item={n: jax.ShapeDtypeStruct(r.shape, r.dtype) for n, r in batch.items()},
             restore_args={n: _orbax_steps.restore_args(r) for n, r in batch.items()},
@@ -515,3 +483,38 @@ class OrbaxStore:
         """Deletes a folder or object, in the deleter's thread (`Deleter.remove`; a seam of
         this class, which a faulty store slows or fails)."""
         return self._deleter.remove(path, what)
+
+
+class JaxckptLayout:
+    """A jaxckpt step of the persistent tier (`_stores.Layout`): its Orbax arrays, read
+    through Orbax's handler (each file it reads whole checked for size first), and its
+    packed leaves (`_transfer.PackedLayout`); each leaf read checked against jaxckpt.json."""
+
+    whole = False
+
+    def __init__(self, store: OrbaxStore, info: _layout.StepInfo):
+        self._store, self._info = store, info
+
+    def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        store, info, step = self._store, self._info, self._info.step
+        packed = info.packed.get(item, frozenset())
+        out: dict[str, Any] = {}
+        if mine := {n: r for n, r in batch.items() if n in packed}:
+            part = _transfer.PackedLayout(store.packed_step(info, item), step, store.directory)
+            out.update(part.read(item, mine))
+        if not (rest := {n: r for n, r in batch.items() if n not in packed}):
+            return out
+        if not (store.step_dir(step) / item).exists():
+            # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
+            name, request = next(iter(rest.items()))
+            _transfer.check_read(step, item, name, None, request, store.directory)
+        store.check_sizes(info, item)
+        with _transfer.read_errors(step, item, store.directory):
+            got = store.read_orbax_arrays(step, item, rest)
+        for name, request in rest.items():
+            _transfer.check_read(step, item, name, got.get(name), request, store.directory)
+        out.update(got)
+        return out
+
+    def packed_step(self, item: str) -> _packed_read.PackedStep:
+        return self._store.packed_step(self._info, item)

@@ -169,6 +169,30 @@ def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | 
     return LeafSpec.at(path, shape, dtype, kind=kind, key_impl=impl, sharding=sharding)
 
 
+class OrbaxLayout:
+    """A step plain Orbax (or Flax) wrote (`_stores.Layout`): one of its pytree items
+    (`info.item`), read through Orbax alone, each leaf read checked against its metadata.
+    An item saved before Orbax's metadata named each leaf is read whole (`whole`): Orbax
+    reads every leaf of it on each restore."""
+
+    def __init__(self, info: _layout.StepInfo, tree: Any, directory: epath.Path):
+        assert info.orbax is not None and info.item is not None
+        self._info, self._tree, self._directory = info, tree, directory
+        self._path = info.orbax.item_dir(info.item)
+        self.whole = legacy(self._path)
+
+    def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        step, item = self._info.step, self._info.item or item
+        with _transfer.read_errors(step, item, self._directory):
+            got = read_batch(self._path, self._tree, batch)
+        for name, request in batch.items():
+            _transfer.check_read(step, item, name, got.get(name), request, self._directory)
+        return got
+
+    def packed_step(self, item: str) -> Any:
+        raise ValueError(f"step {self._info.step} was written by plain Orbax: no packed leaves")
+
+
 def read_batch(path: epath.Path, tree: Any, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
     """Reads the leaves `batch` names of an Orbax pytree item: the item's whole tree with
     Orbax's placeholder for every other leaf, so that none of those is read."""

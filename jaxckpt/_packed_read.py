@@ -28,9 +28,6 @@ _FORMATS = (1, INDEX_FORMAT)
 _PIECE_FORMS = {1: "[offset, [[start, stop], ...]]", 2: "[offset, [[start, stop], ...], xxh3-64]"}
 _DIGEST = re.compile("[0-9a-f]{16}")  # XXH3-64, hex
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
-# A restore reads packed leaves in batches of at most this many bytes (or its budget, if
-# smaller), each placed before the next is read: at most one batch's bytes wait on the host.
-READ_BATCH_BYTES = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)

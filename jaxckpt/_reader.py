@@ -6,21 +6,8 @@ against its manifest), and verifies steps. A `CheckpointManager` reads through t
 of its own store, and its local tier through `read_trees` on its local store (`_trees`: one
 step's trees, either tier). `jaxckpt.Checkpoint` (`_checkpoint`) is its public face.
 
-A restore goes down, and never back up (the docs' architecture page states it so):
-
-    Reader.read                      the step asked for, or the newest that verifies
-      Reader._read_step              one step:
-        store.info                   its StepInfo (`_layout`, or what Orbax recorded)
-        check_data                   the data iterator against what was saved; all agree
-        _integrity                   the files a read does not check itself against the
-                                     manifest: a share each, agreed, or hashed while the
-                                     arrays are read (each chunk and piece checked as it
-                                     is decoded; a failed read hashes the whole step)
-        read_trees                   the trees: per item, `_match.plan_restore` (the target
-                                     against the leaf specs), `store.read_arrays` (Orbax
-                                     arrays and packed leaves, `_transfer`, through
-                                     `_spread`: each byte read once in the job), rebuilt
-        _iterators.restore           the data iterator moved, last
+How a restore goes down through it, module by module, is the docs' architecture page
+(docs/architecture.md, "A restore, top to bottom"; tests/test_docs.py checks its names).
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 from etils import epath
@@ -54,35 +41,6 @@ from jaxckpt.errors import (
 )
 
 log = logging.getLogger("jaxckpt")
-_READ_BATCH_BYTES = 256 * 2**20  # what `verify` reads of a plain Orbax step at a time
-
-
-class Store(Protocol):
-    """The one interface of a tier's store: `_orbax.OrbaxStore` (the persistent directory,
-    committed through Orbax: a step's folder renamed into place, or its commit file written
-    last on object storage) and `_local.LocalStore` (this process's part of a step, renamed
-    into place in its own directory). They differ only in how they commit. A reader uses
-    `info` and `read_arrays`; the manager the rest."""
-
-    directory: Any
-
-    def steps(self) -> list[int]: ...  # committed, oldest first
-
-    def info(self, step: int) -> _layout.StepInfo: ...
-
-    def read_arrays(
-        self, info: _layout.StepInfo, item: str, requests: dict[str, ReadRequest]
-    ) -> dict[str, Any]: ...
-
-    def save(
-        self, info: _layout.StepInfo, arrays: Any, data: str | None, data_about: str | None
-    ) -> None: ...  # returns once the arrays are off the devices; commits in the background
-
-    def wait(self) -> None: ...  # until the save in flight is committed (its error raised)
-
-    def delete(self, step: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @naming_the_store  # its failures as StorageError: down, refusing us, no such bucket
@@ -97,9 +55,7 @@ def open_reader(
     timeout_s = _agree.check_timeout(timeout_s)
     with _agree.deadline("the opening of the checkpoint", timeout_s):
         budget = restore_inflight_bytes or auto_inflight_bytes()
-    store = _orbax.OrbaxStore(
-        directory, read_only=True, restore_inflight_bytes=budget, timeout_s=timeout_s
-    )
+    store = _orbax.OrbaxStore(directory, read_only=True, timeout_s=timeout_s)
     return Reader(store, verify=verify, restore_inflight_bytes=budget, owned=True)
 
 
@@ -120,7 +76,7 @@ class Reader:
         owned: bool = False,
     ):
         self._store, self._verify, self._owned = store, verify, owned
-        self._restore_inflight_bytes = restore_inflight_bytes
+        self.budget = restore_inflight_bytes  # bytes read at once: the one owner of it
         self._warned: set[str] = set()  # the unreadable step folders logged
 
     @property
@@ -216,14 +172,15 @@ class Reader:
         step = self.resolve(step)
         specs = self.info(step, item).state
         requests, _ = plan_restore(state, specs, item=_layout.STATE, step=step, partial=partial)
-        return plan_reads(step, requests, inflight_bytes=self._restore_inflight_bytes)
+        return plan_reads(step, requests, inflight_bytes=self.budget)
 
     def read_arrays(
         self, info: _layout.StepInfo, item: str, requests: dict[str, ReadRequest]
     ) -> dict[str, Any]:
-        """The named arrays of one item of a step, each onto its sharding (or to the host).
-        Unverified by itself: read inside `verified(step)`."""
-        return self._store.read_arrays(info, item, requests)
+        """The named arrays of one item of a step, each onto its sharding (or to the host),
+        at most `budget` bytes at a time. Unverified by itself: read inside
+        `verified(step)`."""
+        return _spread.read_arrays(self._store, info, item, requests, budget=self.budget)
 
     def verified(self, step: int) -> contextlib.AbstractContextManager[Callable[[], None]]:
         """A context manager in which a step is read while its files are hashed beside; it
@@ -308,9 +265,7 @@ class Reader:
             self.directory, step, self.folder(step), verify=verify and not several, unread=True
         ):
             info = info or self.info(step, wanted.item)
-            budget = self._restore_inflight_bytes
-            spread = functools.partial(_spread.read_arrays, self._store, budget=budget)
-            read = functools.partial(read_trees, info, wanted, spread)
+            read = functools.partial(read_trees, self._store, info, wanted, self.budget)
             restored = self._agreed(step, verify and several, read)
         if data is not None:  # last: after everything else was read (and verified)
             _iterators.restore(data, info, self.directory)
@@ -404,7 +359,7 @@ class Reader:
         self, step: int, found: _layout.OrbaxStep, progress: _integrity.Progress | None
     ) -> _integrity.StepReport:
         """What can be checked of a step plain Orbax wrote: each pytree item's metadata, and
-        every array read whole to the host (one batch at a time), as Orbax reads it."""
+        every array read whole to the host (`budget` bytes at a time), as Orbax reads it."""
         problems, leaves, total = [], 0, 0
         for item in found.items_of("pytree"):
             try:
@@ -418,9 +373,9 @@ class Reader:
             requests = uniform_requests(info.state, None)
             sizes = {s.name: s.nbytes for s in info.state}
             size, done = sum(sizes.values()), 0
-            for batch in read_batches(requests, _READ_BATCH_BYTES):
+            for batch in read_batches(requests, self.budget):
                 try:
-                    self._store.read_arrays(info, _layout.STATE, {n: requests[n] for n in batch})
+                    self.read_arrays(info, _layout.STATE, {n: requests[n] for n in batch})
                 except JaxckptError as e:
                     problems.extend(getattr(e, "problems", None) or [f"item {item}: {e}"])
                 done += sum(sizes[n] for n in batch)

@@ -17,7 +17,8 @@ parallelism, the slice axis of a multi-slice job) would otherwise be read by eac
 Every stage agrees first on whether each process's read succeeded (`_agree.refusing`,
 bounded by the restore's deadline), so that no process waits in a gather for one that
 failed: all raise, the failed one its own error.
-The bytes in flight stay within a batch (`_plan.read_batches`) beside the restored arrays.
+The bytes in flight stay within a batch (`_plan.read_batches`) beside the restored arrays:
+this is where a restore's reads are cut into batches, once, for either tier.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _orbax, _packed_read, _transfer
+from jaxckpt import _packed_read, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._layout import StepInfo
 from jaxckpt._plan import holders, read_batches
+from jaxckpt._stores import Store, read_batched
 from jaxckpt._transfer import place
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import RestoreError
@@ -46,28 +48,28 @@ T = TypeVar("T")
 
 
 def read_arrays(
-    store: _orbax.OrbaxStore,
+    store: Store,
     info: StepInfo,
     item: str,
     requests: Mapping[str, ReadRequest],
     *,
     budget: int,
 ) -> dict[str, Any]:
-    """`store.read_arrays(info, item, requests)`, each byte read once in a multi-process
-    job (every process calls it alike), in batches of at most `budget` bytes."""
-
-    def read(some: Mapping[str, ReadRequest]) -> dict[str, Any]:
-        return store.read_arrays(info, item, some)
-
-    if jax.process_count() == 1:
-        return read(requests)
+    """The arrays `requests` names of one item of a step, read through `store` in batches
+    of at most `budget` bytes (`_stores.read_batched`), each byte read once in the job
+    where the store is shared by a job of several processes (every process calls it alike).
+    The one place a restore's reads are cut into batches."""
+    read = functools.partial(store.read_arrays, info, item)
+    whole = store.layout(info).whole
+    if jax.process_count() == 1 or not store.shared:
+        return read_batched(read, requests, budget, whole=whole)
     packed = info.packed.get(item, frozenset())
     wide = {n: r for n, r in requests.items() if n in packed and _shared(r) and 0 not in r.shape}
     spread = {n: s for n, r in requests.items() if n not in packed and (s := _read_sharding(r))}
     rest = {n: r for n, r in requests.items() if n not in wide and n not in spread}
-    out = _agreed(lambda: read(rest))
+    out = _agreed(lambda: read_batched(read, rest, budget, whole=whole))
     parts = {n: dataclasses.replace(requests[n], sharding=s) for n, s in spread.items()}
-    for batch in read_batches(parts, budget):
+    for batch in [list(parts)] if whole and parts else read_batches(parts, budget):
         got = _agreed(functools.partial(read, {n: parts[n] for n in batch}))
         out.update({n: _reshard(requests[n].sharding)(got.pop(n)) for n in batch})
     if wide:
@@ -76,8 +78,8 @@ def read_arrays(
             _transfer.read_errors(step, item, where),
             _transfer.corrupt_if_not_jaxckpts(step, where),
         ):
-            steps = _agreed(lambda: store.packed_step(info, item))
-            for batch in read_batches(wide, min(budget, _packed_read.READ_BATCH_BYTES)):
+            steps = _agreed(lambda: store.layout(info).packed_step(item))
+            for batch in read_batches(wide, budget):
                 out.update(_broadcast(steps, item, {n: wide[n] for n in batch}))
     return out
 

@@ -122,7 +122,7 @@ class Tiers:
 
     def _restore_local_step(self, local: _local.LocalStore, step: int, wanted: Wanted) -> Restored:
         info = local.info(step)
-        restored = read_trees(info, wanted, local.read_arrays)
+        restored = read_trees(local, info, wanted, self.persistent.budget)
         if wanted.data is not None:  # last: after everything else was read
             _iterators.restore(wanted.data, info, local.directory)
         log.info("restored step %d from the local tier (%s)", step, local.directory)

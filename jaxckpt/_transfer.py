@@ -1,6 +1,6 @@
 """Host <-> device: host arrays placed onto the devices of their shardings, and the packed
-leaves read and placed in batches, for the persistent tier, the local tier and the restore
-of a step plain Orbax wrote alike (the save side, shards copied off the devices, is
+leaves read and placed (`PackedLayout`), for the persistent tier, the local tier and the
+restore of a step plain Orbax wrote alike (the save side, shards copied off the devices, is
 `jaxckpt._packed.to_host`, over `_internals.device_buffers`). The errors a read raises are
 worded here: a file that is not what jaxckpt writes is a CorruptCheckpointError, a failure
 of the storage itself a RestoreError (of a store that did not answer, a StorageError).
@@ -18,8 +18,7 @@ from etils import epath
 
 from jaxckpt import _packed_read
 from jaxckpt._internals import put_batched
-from jaxckpt._layout import INFO_PATH, StepInfo
-from jaxckpt._plan import read_batches
+from jaxckpt._layout import INFO_PATH
 from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
@@ -59,26 +58,28 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
 
-def read_packed(
-    packed: _packed_read.PackedStep,
-    info: StepInfo,
-    item: str,
-    requests: Mapping[str, ReadRequest],
-    budget: int,
-    directory: epath.Path,
-) -> dict[str, Any]:
-    """Packed leaves read and placed in batches (of at most `_packed_read.READ_BATCH_BYTES`, or
-    `budget`): a file that is not what jaxckpt writes is a CorruptCheckpointError, another
-    failure (of the storage itself) a RestoreError, never "corrupt", which fallback=True
-    would pass over for an older step. Zero-size leaves are made, never read."""
-    out = {name: empty(r) for name, r in requests.items() if 0 in r.shape}
-    requests = {name: r for name, r in requests.items() if name not in out}
-    with read_errors(info.step, item, directory):
-        for batch in read_batches(requests, min(budget, _packed_read.READ_BATCH_BYTES)):
-            with corrupt_if_not_jaxckpts(info.step, directory):
-                hosts = packed.read(item, {n: requests[n] for n in batch})
-            out.update(place(hosts, requests))
-    return out
+class PackedLayout:
+    """The packed leaves of a step (`_stores.Layout`): a process's part of a local step, and
+    the packed half of a jaxckpt step of the persistent tier (`_orbax.JaxckptLayout`). A
+    file that is not what jaxckpt writes is a CorruptCheckpointError, another failure (of
+    the storage itself) a RestoreError, never "corrupt", which fallback=True would pass
+    over for an older step."""
+
+    whole = False
+
+    def __init__(self, packed: _packed_read.PackedStep, step: int, directory: epath.Path):
+        self._packed, self._step, self._directory = packed, step, directory
+
+    def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        with (
+            read_errors(self._step, item, self._directory),
+            corrupt_if_not_jaxckpts(self._step, self._directory),
+        ):
+            hosts = self._packed.read(item, batch)
+        return place(hosts, batch)
+
+    def packed_step(self, item: str) -> _packed_read.PackedStep:
+        return self._packed
 
 
 def place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:

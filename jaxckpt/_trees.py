@@ -1,7 +1,8 @@
-"""One step's trees read onto a target, from either tier (`jaxckpt._reader`'s `Checkpoint`
-for the persistent one, `jaxckpt._tiers` for the local one): the data iterator checked
-against what was saved, each item planned (`_match.plan_restore`), its arrays read through
-the tier's `read_arrays`, the trees rebuilt; and what a restore asks for and returns."""
+"""One step's trees read onto a target, from either tier's `Store` (`jaxckpt._reader`'s
+`Reader` for the persistent one, `jaxckpt._tiers` for the local one): the data iterator
+checked against what was saved, each item planned (`_match.plan_restore`), its arrays read
+through the store in batches (`_spread.read_arrays`), the trees rebuilt; and what a restore
+asks for and returns."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 
 import jax
 
-from jaxckpt import _iterators, _layout
+from jaxckpt import _iterators, _layout, _spread
 from jaxckpt._agree import refusing
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._memory import returning_freed
+from jaxckpt._stores import Store
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import DataStateError, JaxckptError, TreeMismatchError
 
@@ -108,12 +110,9 @@ def plan_item(
     )
 
 
-ReadArrays = Callable[[_layout.StepInfo, str, dict[str, ReadRequest]], dict[str, Any]]
-
-
-def read_trees(info: _layout.StepInfo, wanted: Wanted, read_arrays: ReadArrays) -> Restored:
-    """The step's trees, read onto the target by `read_arrays` (a store's, or `_spread`'s
-    over the persistent store), no data iterator moved."""
+def read_trees(store: Store, info: _layout.StepInfo, wanted: Wanted, budget: int) -> Restored:
+    """The step's trees read from `store` (either tier's) onto the target, at most `budget`
+    bytes at a time (`_spread.read_arrays`), no data iterator moved."""
     step, rng = info.step, wanted.rng
     kinds = info.rng_node_types
     if rng is None and info.rng and kinds:  # before any array is read
@@ -138,7 +137,7 @@ def read_trees(info: _layout.StepInfo, wanted: Wanted, read_arrays: ReadArrays) 
     with returning_freed():  # each slice's staging back to the system once on its device
         for item, target, home, partial in items(info, wanted):
             requests, rebuild = plan_item(info, item, target, home, partial)
-            trees[item] = rebuild(read_arrays(info, item, requests))
+            trees[item] = rebuild(_spread.read_arrays(store, info, item, requests, budget=budget))
     return Restored(
         step=step, state=trees[_layout.STATE], rng=trees.get(_layout.RNG), meta=info.meta, data=None
     )

@@ -451,6 +451,8 @@ CHAIN_MODULES = (
     "jaxckpt._integrity",
     "jaxckpt._match",
     "jaxckpt._orbax",
+    "jaxckpt._orbax_steps",
+    "jaxckpt._stores",
     "jaxckpt._local",
     "jaxckpt._layout",
     "jaxckpt._transfer",
