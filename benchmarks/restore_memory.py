@@ -4,7 +4,9 @@ tensorstore alone, side by side.
 For each state size (16 float32 leaves, saved from a (4, 2) mesh of 8 CPU devices) each
 tool writes the state its own way, then restores it, each restore in a fresh process, the
 tools taking turns: onto the same mesh and onto a (2, 4) mesh, in 1 process of 8 devices;
-at 512 MiB also in 2 processes of 4 devices (real jax.distributed on 127.0.0.1). Every
+at 512 MiB also in 2 processes of 4 devices (real jax.distributed on 127.0.0.1), and
+from gs:// (fake-gcs-server on 127.0.0.1). jaxckpt restores both its own save and the one
+plain Orbax wrote ("jaxckpt, Orbax's save": the same read path, Orbax's layout). Every
 restoring process reports its peak RSS above its baseline (taken just before the restore:
 sampled every 2 ms, and the kernel's high-water mark), what it still holds after, and the
 time. On CPU devices the restored arrays are host memory, so the floor is 1.0x the
@@ -14,7 +16,7 @@ Targets (issue 52): with the defaults, peak <= 1.10x the share + 64 MiB; with
 `restore_inflight_bytes=B`, peak above the restored state <= 1.25 B + 32 MiB, the bound
 `plan` reports.
 
-    python benchmarks/restore_memory.py [--repeat 3] [--sizes 64,512,1536]
+    python benchmarks/restore_memory.py [--repeat 3] [--sizes 64,512,1536] [--no-gcs]
         [--before REV] [--out benchmarks/results/restore_memory.md]
 
 `--before REV` adds jaxckpt as of commit REV (a git worktree), restoring its own save.
@@ -43,7 +45,7 @@ BOUND_BUDGET_MIB = 32  # the budget whose bound is checked
 def run(
     mode: str,
     tool: str,
-    directory: Path,
+    directory: str,
     mib: int,
     mesh: str = "same",
     processes: int = 1,
@@ -53,13 +55,12 @@ def run(
     """One save or restore by `tool` in `processes` fresh processes: their reports."""
     port = launch.free_port()
     env = {"JAXCKPT_TREE": str(tree)} if tree else None
-    worker = tool.split("@")[0]
     procs = [
         launch.start(
             "-m",
             "benchmarks.restore_memory_worker",
             mode,
-            worker,
+            tool,
             directory,
             processes,
             i,
@@ -89,52 +90,108 @@ def run(
     return reports
 
 
+# A tool: (the worker that restores, whose save it restores, the budget in MiB or "auto").
+Tool = tuple[str, str, str]
+ORBAX_STEP = "jaxckpt, Orbax's save"  # jaxckpt restoring the step plain Orbax wrote
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="64,512,1536")
     parser.add_argument("--before", help="also jaxckpt as of this commit")
     parser.add_argument(
+        "--no-gcs", action="store_true", help="skip the 512 MiB restores from gs://"
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "restore_memory.md"
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="jaxckpt-bench-"))
-    tools = {"jaxckpt": None, f"jaxckpt@{BOUND_BUDGET_MIB}MiB": None, "orbax": None}
-    tools["tensorstore"] = None
+    tools: dict[str, Tool] = {
+        "jaxckpt": ("jaxckpt", "jaxckpt", "auto"),
+        f"jaxckpt@{BOUND_BUDGET_MIB}MiB": ("jaxckpt", "jaxckpt", str(BOUND_BUDGET_MIB)),
+        ORBAX_STEP: ("jaxckpt", "orbax", "auto"),
+        "orbax": ("orbax", "orbax", "auto"),
+        "tensorstore": ("tensorstore", "tensorstore", "auto"),
+    }
+    trees: dict[str, Path | None] = {kind: None for _, kind, _ in tools.values()}
     if args.before:
         tree = work / "before"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", tree, args.before], check=True)
-        tools[f"jaxckpt@{args.before}"] = tree
+        tools[f"jaxckpt@{args.before}"] = ("jaxckpt", "before", "auto")
+        trees["before"] = tree
     rows = []
     try:
         for mib in sizes:
-            saved = {}
-            for tool, tree in tools.items():
-                kind = "before" if tree else tool.split("@")[0]
-                if kind not in saved:
-                    saved[kind] = work / f"{kind}-{mib}"
-                    run("save", tool, saved[kind], mib, tree=tree)
+            saved = {kind: str(work / f"{kind}-{mib}") for kind in trees}
+            for kind, tree in trees.items():
+                run("save", "jaxckpt" if kind == "before" else kind, saved[kind], mib, tree=tree)
+            saved_by = {kind: saved[kind] for kind in trees}
+            saved_by["orbax-step"] = f"{saved['orbax']}/state"
             layouts = [("same", 1), ("reshard", 1)] + ([("reshard", 2)] if mib == 512 else [])
             for mesh, processes in layouts:
-                chosen = tools if processes == 1 else {"jaxckpt": None, "orbax": None}
-                runs: dict[str, list[list[dict]]] = {t: [] for t in chosen}
-                for _ in range(args.repeat):  # the tools take turns
-                    for tool, tree in chosen.items():
-                        kind = "before" if tree else tool.split("@")[0]
-                        budget = str(BOUND_BUDGET_MIB) if tool.endswith("MiB") else "auto"
-                        runs[tool].append(
-                            run("restore", tool, saved[kind], mib, mesh, processes, budget, tree)
-                        )
-                for tool, reports in runs.items():
-                    for p in range(processes):
-                        rows.append(row(mib, mesh, processes, tool, p, [r[p] for r in reports]))
+                chosen = tools
+                if processes > 1:
+                    chosen = {t: tools[t] for t in ("jaxckpt", ORBAX_STEP, "orbax")}
+                rows += compare(chosen, saved_by, trees, mib, mesh, processes, args.repeat)
+            if mib == 512 and not args.no_gcs:
+                rows += from_gcs(tools, mib, args.repeat)
     finally:
         if args.before:
             subprocess.run(["git", "worktree", "remove", "--force", work / "before"], check=False)
         shutil.rmtree(work, ignore_errors=True)
     write(args, rows)
     return 0
+
+
+def compare(
+    tools: dict[str, Tool],
+    saved: dict[str, str],
+    trees: dict[str, Path | None],
+    mib: int,
+    mesh: str,
+    processes: int,
+    repeat: int,
+    where: str = "",
+) -> list[dict]:
+    """Each tool's restores of its save, `repeat` times, the tools taking turns: a row each
+    (a row per process)."""
+    runs: dict[str, list[list[dict]]] = {t: [] for t in tools}
+    for _ in range(repeat):
+        for name, (worker, kind, budget) in tools.items():
+            directory = saved["orbax-step" if name == ORBAX_STEP else kind]
+            got = run("restore", worker, directory, mib, mesh, processes, budget, trees.get(kind))
+            runs[name].append(got)
+    return [
+        row(mib, mesh, processes, name + where, p, [r[p] for r in reports])
+        for name, reports in runs.items()
+        for p in range(processes)
+    ]
+
+
+def from_gcs(tools: dict[str, Tool], mib: int, repeat: int) -> list[dict]:
+    """jaxckpt's and plain Orbax's restores from gs:// (fake-gcs-server on 127.0.0.1, in
+    memory: its bytes are in its own process, not the restoring one's)."""
+    from reliability import gcs
+
+    chosen = {t: tools[t] for t in ("jaxckpt", ORBAX_STEP, "orbax")}
+    os.environ.update(gcs.LOOPBACK_ENV)
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-gcs-") as log_dir:
+        proc, url = gcs.start(Path(log_dir) / "server.log")
+        saved_env = dict(os.environ)
+        os.environ.update(gcs.point_at(url))  # the workers inherit it
+        try:
+            saved = {kind: f"gs://{gcs.BUCKET}/{kind}-{mib}" for kind in ("jaxckpt", "orbax")}
+            for kind, directory in saved.items():
+                run("save", kind, directory, mib)
+            saved["orbax-step"] = f"{saved['orbax']}/state"
+            return compare(chosen, saved, {}, mib, "same", 1, repeat, where=" (gs://)")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            gcs.stop(proc)
 
 
 def row(mib: int, mesh: str, processes: int, tool: str, process: int, got: list[dict]) -> dict:
