@@ -111,11 +111,7 @@ class OrbaxStore:
         # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
-        arrays = ocp.PyTreeCheckpointHandler(
-            use_compression=compression == "zstd",
-            use_zarr3=True,
-            type_handler_registry=_orbax_items.registry(),
-        )
+        arrays = _orbax_items.arrays_handler(compression)
         _internals.install()  # Orbax's functions jaxckpt wraps, once in the process
         if not read_only:
             _internals.own(self.directory)
