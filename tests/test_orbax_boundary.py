@@ -323,32 +323,36 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
         "Orbax no longer reads each shard in serialization._read_shard and places it with "
         "jax.device_put: update _internals._wraps._aligned_reads"
     )
-    stored = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
-    t = ts.array(stored)
-    for shape, domain in (((6, 8), ts.IndexDomain(shape=(6, 8))), ((8, 8), None)):
-        requested = ts.IndexDomain(shape=shape)
-        restricted = domain or t.domain.intersect(requested)
+
+    def read(t, shape, dtype=None, restricted=None):
         coroutine = read_shard(
             t,
             new_shard_shape=shape,
-            dtype=None,
-            requested_domain=requested,
-            restricted_domain=restricted,
+            dtype=dtype,
+            requested_domain=ts.IndexDomain(shape=shape),
+            restricted_domain=restricted or t.domain.intersect(ts.IndexDomain(shape=shape)),
         )
-        shard = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, coroutine).result()
-        want = np.zeros(shape, np.float32)
-        want[:6] = stored  # stored smaller: the rest is zeros, as Orbax's own
-        np.testing.assert_array_equal(shard, want)
-        placed = jax.device_put(shard, jax.devices("cpu")[0])
-        assert placed.unsafe_buffer_pointer() == shard.ctypes.data, (
-            "JAX's CPU client copied an aligned host buffer: update _internals.CPU_ALIGNMENT"
-        )
-    cast = read_shard(
-        t,
-        new_shard_shape=(6, 8),
-        dtype=np.float16,
-        requested_domain=ts.IndexDomain(shape=(6, 8)),
-        restricted_domain=ts.IndexDomain(shape=(6, 8)),
-    )
-    got = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, cast).result()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, coroutine).result()
+
+    # a small shard (an aligned block of the heap) and one of 2 MiB (pages of its own);
+    # each read whole, and into a larger shard (stored smaller: the rest is zeros, as
+    # Orbax's own)
+    for rows, columns in ((6, 8), (6, 2**16 // 6 * 8)):
+        stored = np.arange(rows * columns, dtype=np.float32).reshape(rows, columns)
+        t = ts.array(stored)
+        for shape in ((rows, columns), (rows + 2, columns)):
+            shard = read(t, shape)
+            want = np.zeros(shape, np.float32)
+            want[:rows] = stored
+            np.testing.assert_array_equal(shard, want)
+            placed = jax.device_put(shard, jax.devices("cpu")[0])
+            assert placed.unsafe_buffer_pointer() == shard.ctypes.data, (
+                "JAX's CPU client copied an aligned host buffer: update "
+                "_internals._arrays.CPU_ALIGNMENT"
+            )
+            del placed
+            assert np.array_equal(shard, want)  # the buffer outlives the device's array
+    stored = np.arange(48, dtype=np.float32).reshape(6, 8)
+    got = read(ts.array(stored), (6, 8), dtype=np.float16)  # a cast: Orbax's own read
     assert got.dtype == np.float16 and np.array_equal(got, stored.astype(np.float16))

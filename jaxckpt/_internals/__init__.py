@@ -7,13 +7,13 @@ and to this package through the names below.
 
 - `_saves`: Orbax's manager and handlers as a save meets them (its background commit, its
   per-host array metadata, the event and the barrier after a save's writes);
-- `_arrays`: JAX's arrays (single-device buffers, batched placement, zero-copy buffers);
+- `_arrays`: JAX's arrays (single-device buffers, batched placement, zero-copy host buffers);
 - `_coordination`: JAX's coordination service (key-value store, barriers, counts);
 - `_wraps`: Orbax's functions wrapped process-wide, all by `install()`, which
   `jaxckpt._orbax.OrbaxStore` alone calls.
 """
 
-from jaxckpt._internals._arrays import CPU_ALIGNMENT, aligned_empty, device_buffers, put_batched
+from jaxckpt._internals._arrays import device_buffers, host_buffer, put_batched
 from jaxckpt._internals._coordination import (
     CLIENT_CALLS,
     COLLECTIVES,
@@ -42,10 +42,8 @@ from jaxckpt._internals._wraps import install, own, writers_held
 __all__ = [
     "CLIENT_CALLS",
     "COLLECTIVES",
-    "CPU_ALIGNMENT",
     "WRITES_DONE_EVENT",
     "WRITE_BARRIER",
-    "aligned_empty",
     "array_metadata_store",
     "barrier",
     "barrier_after_writes",
@@ -54,6 +52,7 @@ __all__ = [
     "delete",
     "device_buffers",
     "forget_failed_save",
+    "host_buffer",
     "install",
     "key_impls",
     "missing_processes",

@@ -13,10 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt._internals._arrays import aligned_empty
+from jaxckpt._internals._arrays import host_buffer
 
 log = logging.getLogger("jaxckpt")
 _installed = False
@@ -262,10 +263,11 @@ def _aligned_reads() -> None:
     """Orbax reads each shard of an array into a host buffer of its own, `np.zeros` in
     `serialization._read_shard`, which `jax.device_put` then copies onto a CPU device (its
     address is 16-byte aligned, not `_arrays.CPU_ALIGNMENT`): a restore held each shard
-    twice, and its staging was freed memory the allocator kept. Read into an aligned
-    buffer instead, the shard becomes the device's buffer: on CPU devices a restore reads
-    each byte once into its final place (on an accelerator the buffer is staging, copied
-    as before). The wrap reads as Orbax's does; a shard Orbax casts goes through Orbax's."""
+    twice, and its staging was freed memory the allocator kept. Where the devices are CPU
+    devices the wrap reads it into a `_arrays.host_buffer` instead, which becomes the
+    device's buffer: a restore reads each byte once into its final place. (On an
+    accelerator the buffer is staging, copied onto the device: Orbax's own, reused from the
+    heap.) It reads as Orbax's does; a shard Orbax casts goes through Orbax's."""
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import serialization
 
@@ -281,7 +283,7 @@ def _aligned_reads() -> None:
         restricted_domain: Any,
     ) -> np.ndarray:
         stored = t.dtype.numpy_dtype
-        if dtype is not None and np.dtype(dtype) != stored:
+        if jax.default_backend() != "cpu" or (dtype is not None and np.dtype(dtype) != stored):
             return await read_shard(
                 t,
                 new_shard_shape=new_shard_shape,
@@ -289,7 +291,7 @@ def _aligned_reads() -> None:
                 requested_domain=requested_domain,
                 restricted_domain=restricted_domain,
             )
-        out = aligned_empty(tuple(new_shard_shape), stored)
+        out = host_buffer(tuple(new_shard_shape), stored)
         if tuple(restricted_domain.shape) != out.shape:  # stored smaller: the rest is zeros
             out.fill(0)
         where = ts.array(out)[ts.d[:].translate_to[requested_domain.origin]][restricted_domain]
