@@ -1,16 +1,17 @@
 """The host memory a restore holds: its budget, and the staging it hands back.
 
-A restore reads each slice into a host buffer, copies it onto its device and frees the
-buffer. On accelerators the heap reuses those buffers batch after batch (the budget bounds
-them), and what it holds at the end is handed back (`malloc_trim`). On CPU devices the
-restored arrays are host memory too, allocated between the freed buffers: under glibc's
-default rule (its mmap threshold rises to the largest block freed, up to 32 MiB) the heap
-kept the freed staging beside them, and a restore of 1.5 GiB onto 8 CPU devices peaked at
-1.7-1.9x the state, 1.5x staying held after it (benchmarks/restore_memory.py). There,
-inside `returning_freed()` every block of `MAPPED_BYTES` or more is mapped pages of its
-own, unmapped the moment it is freed: the same restore peaks at 1.03-1.05x, and takes
-about 0.3 s more per GiB (the fresh pages are faulted in). On leaving, the threshold is set
-where glibc's own rule takes it in a process that has freed a large block (`HEAP_BYTES`).
+A restore reads each slice into a host buffer and places it on its device. On CPU devices
+the buffer is the device's array itself (`_internals.host_buffer`, pages of its own), and
+what is staged is tensorstore's: each chunk's bytes as read, freed once copied. Under
+glibc's default rule (its mmap threshold rises to the largest block freed, up to 32 MiB)
+the heap kept that freed staging between the arrays, and a restore of 1.5 GiB onto 8 CPU
+devices peaked at 1.7-1.9x the state, 1.5x staying held after it
+(benchmarks/restore_memory.py). Inside `returning_freed()` every block of `MAPPED_BYTES` or
+more is mapped pages of its own, unmapped the moment it is freed: the same restore peaks at
+1.02x, and holds 1.00x after. On accelerators the heap reuses the staging batch after batch
+(the budget bounds it), and what it holds at the end is handed back (`malloc_trim`). On
+leaving, the threshold is set where glibc's own rule takes it in a process that has freed
+a large block (`HEAP_BYTES`).
 
 Without glibc (musl, macOS, or tcmalloc preloaded, which ignores `mallopt`) this does
 nothing, and the budget alone bounds the staging.
