@@ -43,7 +43,7 @@ def open(
       directory: a local path or `gs://bucket/prefix`.
       verify: check each step's files against its manifest as it is read.
       restore_inflight_bytes: read leaves in batches of at most this many bytes per
-        process (None: 256 MiB, or a quarter of the host's memory where that is less).
+        process (None: 128 MiB, or a quarter of the host's memory where that is less).
       timeout_s: in a job of several processes, how long one read waits for the others,
         in all (ProcessesMissingError naming those that did not come).
     """

@@ -73,7 +73,7 @@ class CheckpointManager:
       restore_inflight_bytes: a restore reads its leaves in batches of at most this many
         bytes per process (or one larger leaf), which bounds its host staging memory (see
         `plan`); each slice's staging goes back to the system once it is on its device.
-        None: 256 MiB, or a quarter of the host's memory where that is less (of the
+        None: 128 MiB, or a quarter of the host's memory where that is less (of the
         smallest host's, in a multi-process job).
       compression: None (the default: raw bytes) or "zstd". zstd stores float weights ~7%
         smaller and writes them at about half the rate (BENCHMARKS.md). Steps saved either
