@@ -2,7 +2,7 @@
 
 Saves a ~256 MiB state (`params`: 4 leaves of 32 MiB; `opt`: 4 more) from a (4, 2) mesh of 8
 CPU devices, then, each in a fresh process, restores it onto a (2, 4) mesh: all of it, or
-`params` only (`partial=True`), with the default read budget (256 MiB) and with a 32 MiB
+`params` only (`partial=True`), with the default read budget (128 MiB) and with a 32 MiB
 one. Every restoring process reports its peak RSS
 above its baseline (taken just before `restore`, from `getrusage` ru_maxrss) and what
 `CheckpointManager.plan` predicted before reading.
