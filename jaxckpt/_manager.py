@@ -79,8 +79,6 @@ class CheckpointManager:
         smaller and writes them at about half the rate (BENCHMARKS.md). Steps saved either
         way restore the same. zstd is tensorstore's, on Orbax arrays: with it every leaf is
         written as one (packed leaves are raw bytes), so pack_small_leaves is ignored.
-        A zstd save holds at most 256 MiB of compressed bytes being written at once per
-        process (raw bytes are written from the arrays themselves).
       pack_small_leaves: write every leaf of at most 1 MiB into one file per process
         (with an index to reshard from) rather than as an Orbax array of its own: thousands
         of small leaves save and restore at the speed of a few big ones

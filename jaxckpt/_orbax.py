@@ -111,7 +111,11 @@ class OrbaxStore:
         # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
-        arrays = _orbax_items.arrays_handler(compression)
+        arrays = ocp.PyTreeCheckpointHandler(
+            use_compression=compression == "zstd",
+            use_zarr3=True,
+            type_handler_registry=_orbax_items.registry(),
+        )
         _internals.install()  # Orbax's functions jaxckpt wraps, once in the process
         if not read_only:
             _internals.own(self.directory)

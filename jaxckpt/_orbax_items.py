@@ -32,26 +32,6 @@ MIN_DATA_FILE_BYTES = 8 * 2**20
 DATA_FILE_BYTES = 128 * 2**20
 
 
-# A compressed save holds each chunk's compressed bytes until OCDBT has written them, and
-# Orbax starts every chunk's write at once: a 512 MiB zstd save held 0.93x the state above
-# what it saved (uncompressed chunks are written from the arrays themselves: 0.02x). Orbax's
-# limiter on the bytes being written bounds it (0.41x with 250 MB; python
-# benchmarks/compare.py's "jaxckpt zstd" peak RSS).
-COMPRESSED_WRITE_BYTES = 256 * 2**20
-
-
-def arrays_handler(compression: str | None) -> ocp.PyTreeCheckpointHandler:
-    """The handler a step's arrays are saved with: zarr3 (each chunk with a CRC-32C,
-    `_internals.own`), zstd-compressed if asked, at most `COMPRESSED_WRITE_BYTES` being
-    compressed and written at once."""
-    return ocp.PyTreeCheckpointHandler(
-        use_compression=compression == "zstd",
-        use_zarr3=True,
-        type_handler_registry=registry(),
-        save_concurrent_gb=COMPRESSED_WRITE_BYTES / 1e9 if compression else None,  # GB: 10^9
-    )
-
-
 def data_file_bytes(leaves: Mapping[str, Any]) -> int:
     """The data-file size OCDBT is asked for when this process writes its share of `leaves`
     (every process about as much: each writes its shards, replicas spread among them)."""

@@ -1,10 +1,9 @@
 """What a restore does to the process's allocator (`jaxckpt._memory`): the staging it frees
-goes back to the system, and the allocator's rule is glibc's own again afterwards; and what
-a compressed save holds (`_orbax_items.COMPRESSED_WRITE_BYTES`).
+goes back to the system, and the allocator's rule is glibc's own again afterwards.
 
 Each case runs in a fresh interpreter (glibc's threshold is process-wide, and once set
 stays set) on memory the child touches and frees itself; what it reports is the kernel's
-count of its resident pages (/proc/self/statm, or its high-water mark), not a timing.
+count of its resident pages (/proc/self/statm), not a timing.
 """
 
 from __future__ import annotations
@@ -93,53 +92,3 @@ def test_on_accelerators_staging_is_reused_from_the_heap_and_handed_back_after()
 def test_the_rule_is_glibcs_own_again_once_the_last_restore_ends():
     assert held_mib("nested") < 16  # an inner restore ending leaves the outer's rule
     assert held_mib("after") > 100  # below 32 MiB, blocks come from the heap again
-
-
-SAVE_CHILD = textwrap.dedent(
-    """
-    import json, re, sys
-    import jax, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxckpt
-    from jaxckpt import _orbax_items
-
-    def kib(key):
-        with open("/proc/self/status") as f:
-            return int(re.search(key + r":\\s+(\\d+)", f.read()).group(1))
-
-    directory, limit_mib = sys.argv[1], int(sys.argv[2])
-    if limit_mib:
-        _orbax_items.COMPRESSED_WRITE_BYTES = limit_mib << 20
-    jax.config.update("jax_num_cpu_devices", 8)
-    sharding = NamedSharding(jax.make_mesh((4, 2), ("data", "model")), P("data", "model"))
-    # 128 MiB of noise (zstd keeps its size), in 16 leaves: 64 chunks of 2 MiB
-    rng = np.random.default_rng(0)
-    state = {
-        f"w{i}": jax.device_put(rng.standard_normal((1024, 2048), np.float32), sharding)
-        for i in range(16)
-    }
-    with jaxckpt.CheckpointManager(directory, compression="zstd") as m:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark from here
-        base = kib("VmRSS")
-        m.save(1, state=state)
-        m.wait()
-        peak = kib("VmHWM") - base
-        assert m.restore(1).state["w3"].tobytes() == np.asarray(state["w3"]).tobytes()
-    print(json.dumps(peak / 1024))
-    """
-)
-
-
-def save_peak_mib(directory, limit_mib: int) -> float:
-    """MiB above its level a fresh process's zstd save of 128 MiB peaked at (the kernel's
-    high-water mark), with at most `limit_mib` being written at once (0: the default)."""
-    out = run_python("-c", SAVE_CHILD, str(directory), str(limit_mib)).stdout
-    return json.loads(out.splitlines()[-1])
-
-
-def test_a_compressed_save_holds_at_most_its_write_budget_of_compressed_bytes(tmp_path):
-    # Orbax starts every chunk's write at once, each holding its compressed bytes until
-    # written: unbounded, the save held ~0.9x the state (python benchmarks/compare.py).
-    assert save_peak_mib(tmp_path / "whole", 1024) > 96  # a budget above the state: all at once
-    assert save_peak_mib(tmp_path / "bounded", 16) < 80  # 16 MiB in flight, + ~30 MiB fixed
