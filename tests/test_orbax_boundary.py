@@ -1,5 +1,5 @@
-"""What jaxckpt relies on beyond Orbax's public API, one test each (`jaxckpt/_internals/`,
-the one package fenced off for it): an Orbax or JAX upgrade that removes one fails here, by name, rather
+"""What jaxckpt relies on beyond Orbax's public API, one test each (`jaxckpt/_internals.py`,
+the one module fenced off for it): an Orbax or JAX upgrade that removes one fails here, by name, rather
 than somewhere deep in a save. The text of JAX's coordination-service errors that
 `missing_processes` reads is checked where a real process dies: tests/test_multihost.py."""
 
@@ -140,7 +140,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
         m.save(1, state={"w": w})
     assert _chunk_codecs(tmp_path / "ours" / "1" / "state")[-1] == "crc32c", (
         "Orbax no longer builds its array specs in tensorstore_utils.build_array_write_spec "
-        "(or its zarr3 codecs moved): update _internals._wraps._checksums"
+        "(or its zarr3 codecs moved): update _internals._checksums"
     )
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as plain:
         plain.save(tmp_path / "plain", args=ocp.args.PyTreeSave({"w": w}))
@@ -148,7 +148,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
 
 
 def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3_server):
-    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_wraps._object_kvstores) makes
+    # Orbax knows only gs:// and local paths: jaxckpt's wrap (_internals._object_kvstores) makes
     # its specs of an s3:// folder tensorstore's s3 driver, for reads and writes alike.
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -163,7 +163,7 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
         spec = json.dumps(tensorstore_utils.build_kvstore_tspec("s3://b/k", use_ocdbt=ocdbt))
         assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
             "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
-            f"(or their GCS driver changed): update _internals._wraps._object_kvstores. Got {spec}"
+            f"(or their GCS driver changed): update _internals._object_kvstores. Got {spec}"
         )
     # Each store's driver tries a request 3 times, not tensorstore's 32 (issue 49).
     for url, retries in (
@@ -191,9 +191,7 @@ def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
         f"{_internals.WRITE_BARRIER!r} once a process's writes are done: update "
         "_internals.WRITE_BARRIER"
     )
-    assert hasattr(distributed.global_state, "client"), (
-        "update _internals._coordination._coordination"
-    )
+    assert hasattr(distributed.global_state, "client"), "update _internals._coordination"
     for method in ("key_value_set", "key_value_dir_get", "key_value_delete"):
         assert hasattr(_jax.DistributedRuntimeClient, method), f"update _internals: {method}"
 
@@ -238,7 +236,7 @@ def test_the_collectives_and_client_calls_counted_are_jaxs():
 
 def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_functions(tmp_path):
     # Orbax makes a step's folders in the background and its writers wait for them for 300 s;
-    # jaxckpt's wrap (_internals._wraps._wakes) wakes them when the creation fails.
+    # jaxckpt's wrap (_internals._wakes) wakes them when the creation fails.
     directory = tmp_path / "ckpt"
     m = jaxckpt.CheckpointManager(directory)
     m.save(1, state={"w": np.ones((1024, 512), np.float32)})
@@ -263,7 +261,7 @@ def test_a_failed_folder_creation_wakes_the_saves_writers_through_the_wrapped_fu
             raise AssertionError(
                 "a save whose folders could not be made still waits for them: Orbax no "
                 "longer makes them in atomicity._create_paths, started by "
-                "atomicity.create_all_async: update _internals._wraps._wakes"
+                "atomicity.create_all_async: update _internals._wakes"
             ) from None
         assert isinstance(error, jaxckpt.errors.SaveError), error
         assert "Permission denied" in str(error) or "Operation not permitted" in str(error), error
@@ -290,7 +288,7 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
             m.save(1, args=ocp.args.StandardSave({"w": np.ones((256, 256), np.float32)}))
             assert hold.parked.wait(timeout=60), (
                 "a held save never reached the creation of its folders: Orbax no longer makes "
-                "them in atomicity._create_paths: update _internals._wraps._wakes"
+                "them in atomicity._create_paths: update _internals._wakes"
             )
             assert not [p.name for p in directory.iterdir() if p.name.startswith("1")]
         m.wait_until_finished()
@@ -303,7 +301,7 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
 
 def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_buffer():
     # A restore on CPU devices reads each byte once into its final buffer: Orbax reads every
-    # shard in serialization._read_shard, which jaxckpt's wrap (_wraps._aligned_reads) reads
+    # shard in serialization._read_shard, which jaxckpt's wrap (_internals._aligned_reads) reads
     # into a buffer JAX's CPU client takes as its own (else device_put copies it).
     import inspect
 
@@ -315,13 +313,12 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
     read_shard = serialization._read_shard
     expected = ["t", "new_shard_shape", "dtype", "requested_domain", "restricted_domain"]
     assert list(inspect.signature(read_shard).parameters) == expected, (
-        "Orbax's serialization._read_shard changed its arguments: update "
-        "_internals._wraps._aligned_reads"
+        "Orbax's serialization._read_shard changed its arguments: update _internals._aligned_reads"
     )
     source = inspect.getsource(serialization._read_array_index_and_device_put)
     assert "await _read_shard(" in source and "jax.device_put(shard" in source, (
         "Orbax no longer reads each shard in serialization._read_shard and places it with "
-        "jax.device_put: update _internals._wraps._aligned_reads"
+        "jax.device_put: update _internals._aligned_reads"
     )
 
     def read(t, shape, dtype=None, restricted=None):
@@ -348,8 +345,7 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
             np.testing.assert_array_equal(shard, want)
             placed = jax.device_put(shard, jax.devices("cpu")[0])
             assert placed.unsafe_buffer_pointer() == shard.ctypes.data, (
-                "JAX's CPU client copied an aligned host buffer: update "
-                "_internals._arrays.CPU_ALIGNMENT"
+                "JAX's CPU client copied an aligned host buffer: update _internals.CPU_ALIGNMENT"
             )
             del placed
             assert np.array_equal(shard, want)  # the buffer outlives the device's array
