@@ -105,6 +105,7 @@ class OrbaxStore:
         # Read once a step; keyed by when it was saved too, as a deleted step's number may
         # be saved again.
         self._packed: dict[tuple[epath.Path, str | None], _packed_read.PackedStep] = {}
+        self._layouts: dict[tuple[epath.Path, str | None, str | None], Layout] = {}
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
         # zstd saves ~7% of the bytes of float weights and halves the write rate
@@ -391,10 +392,17 @@ class OrbaxStore:
     def layout(self, info: _layout.StepInfo) -> Layout:
         """How the step is read: a step plain Orbax wrote through Orbax alone, one of
         jaxckpt's as Orbax's arrays and the packed leaves."""
-        if info.orbax is not None:
-            path = info.orbax.item_dir(info.item)
-            return _orbax_steps.OrbaxLayout(info, self._item_tree(path), self.directory)
-        return JaxckptLayout(self, info)
+        key = (info.folder(self.directory), info.saved_at, info.item)
+        if key not in self._layouts:  # made once a step: what it checks, checked once
+            if len(self._layouts) >= 4:  # the steps being read now, not every one read
+                self._layouts.clear()
+            if info.orbax is not None:
+                path = info.orbax.item_dir(info.item)
+                made: Layout = _orbax_steps.OrbaxLayout(info, self._item_tree(path), self.directory)
+            else:
+                made = JaxckptLayout(self, info)
+            self._layouts[key] = made
+        return self._layouts[key]
 
     def read_arrays(
         self, info: _layout.StepInfo, item: str, batch: Mapping[str, ReadRequest]
@@ -467,6 +475,7 @@ class OrbaxStore:
         if self._lock is not None:
             self._lock.check()
         self._packed = {k: v for k, v in self._packed.items() if k[0] != self.step_dir(step)}
+        self._layouts = {k: v for k, v in self._layouts.items() if k[0] != self.step_dir(step)}
         self.listed = tuple(s for s in self.listed if s != step)
         if jax.process_index() == 0:
             self._deleter.delete(step)
@@ -494,6 +503,7 @@ class JaxckptLayout:
 
     def __init__(self, store: OrbaxStore, info: _layout.StepInfo):
         self._store, self._info = store, info
+        self._checked: set[str] = set()  # items whose folder and file sizes were checked
 
     def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
         store, info, step = self._store, self._info, self._info.step
@@ -504,11 +514,13 @@ class JaxckptLayout:
             out.update(part.read(item, mine))
         if not (rest := {n: r for n, r in batch.items() if n not in packed}):
             return out
-        if not (store.step_dir(step) / item).exists():
-            # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
-            name, request = next(iter(rest.items()))
-            _transfer.check_read(step, item, name, None, request, store.directory)
-        store.check_sizes(info, item)
+        if item not in self._checked:
+            if not (store.step_dir(step) / item).exists():
+                # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
+                name, request = next(iter(rest.items()))
+                _transfer.check_read(step, item, name, None, request, store.directory)
+            store.check_sizes(info, item)
+            self._checked.add(item)
         with _transfer.read_errors(step, item, store.directory):
             got = store.read_orbax_arrays(step, item, rest)
         for name, request in rest.items():
