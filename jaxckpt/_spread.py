@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxckpt import _packed_read, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._layout import StepInfo
-from jaxckpt._plan import holders, read_batches
+from jaxckpt._plan import holders
 from jaxckpt._stores import Store, read_batched
 from jaxckpt._transfer import place
 from jaxckpt._tree import ReadRequest
@@ -68,10 +68,13 @@ def read_arrays(
     spread = {n: s for n, r in requests.items() if n not in packed and (s := _read_sharding(r))}
     rest = {n: r for n, r in requests.items() if n not in wide and n not in spread}
     out = _agreed(lambda: read_batched(read, rest, budget, whole=whole))
+
+    def read_parts(batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        got = _agreed(functools.partial(read, batch))
+        return {n: _reshard(requests[n].sharding)(got[n]) for n in batch}
+
     parts = {n: dataclasses.replace(requests[n], sharding=s) for n, s in spread.items()}
-    for batch in [list(parts)] if whole and parts else read_batches(parts, budget):
-        got = _agreed(functools.partial(read, {n: parts[n] for n in batch}))
-        out.update({n: _reshard(requests[n].sharding)(got.pop(n)) for n in batch})
+    out.update(read_batched(read_parts, parts, budget, whole=whole))
     if wide:
         step, where = info.step, store.directory
         with (
@@ -79,8 +82,7 @@ def read_arrays(
             _transfer.corrupt_if_not_jaxckpts(step, where),
         ):
             steps = _agreed(lambda: store.layout(info).packed_step(item))
-            for batch in read_batches(wide, budget):
-                out.update(_broadcast(steps, item, {n: wide[n] for n in batch}))
+            out.update(read_batched(functools.partial(_broadcast, steps, item), wide, budget))
     return out
 
 
