@@ -5,7 +5,8 @@ finished. One thread; a failure is logged, and the next writer tries again.
 A step leaves the listing before its files go: on local disk its folder is renamed to
 `<step>.jaxckpt-deleting` (which no listing reads); on object storage one
 `<step>.jaxckpt-tombstone` object hides it until its objects, and then the tombstone, are
-deleted.
+deleted. A step a kept one shares bytes with is retired instead (`retire`), and deleted
+once none does (`free`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ class Deleter:
             doomed = self.directory / f"{step}{_layout.DELETING_SUFFIX}"
             (self.directory / str(step)).rename(doomed)
             self._pool.submit(self._remove, doomed, _DELETED)
+
+    def retire(self, step: int) -> None:
+        """Takes a committed step out of the listing now and keeps its files: a kept step
+        shares its bytes (`jaxckpt._incremental`; `free` deletes it once none does)."""
+        (self.directory / f"{step}{_layout.RETIRED_SUFFIX}").write_bytes(b"")
+
+    def free(self, step: int) -> None:
+        """Deletes a retired step (as `delete`), then its mark: a kill between the two
+        leaves a mark without a step, which the next `free` removes."""
+        if (self.directory / str(step)).exists():
+            self.delete(step)
+        (self.directory / f"{step}{_layout.RETIRED_SUFFIX}").unlink(missing_ok=True)
 
     def close(self) -> None:
         """Waits for the deletions under way; once one meets a store that fails (does not

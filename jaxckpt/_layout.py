@@ -72,6 +72,9 @@ ORBAX_DEFAULT_ITEM = "default"  # the item of a single-item ocp.CheckpointManage
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DELETING_SUFFIX = ".jaxckpt-deleting"
 TOMBSTONE_SUFFIX = ".jaxckpt-tombstone"
+# beside a step retention would delete but a kept step shares bytes with (`_incremental`):
+# out of every listing, its folder kept until no kept step refers to it
+RETIRED_SUFFIX = ".jaxckpt-retired"
 LOCK_FILE = ".jaxckpt-writer.lock"
 DATA_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # as grain's handler names them
 MAX_DATA_STATE_BYTES = 2**20  # what inspect --data reads of one

@@ -31,6 +31,7 @@ from jaxckpt._layout import (
     ORBAX_JSON_FILE,
     ORBAX_LEGACY_FILE,
     ORBAX_TREE_FILE,
+    RETIRED_SUFFIX,
     TMP_SUFFIX,
     TOMBSTONE_SUFFIX,
     OrbaxStep,
@@ -112,6 +113,7 @@ class Listing:
     damaged: step folders that look like damaged steps: step -> why (jaxckpt's: empty, its
       metadata missing or unreadable; plain Orbax's: its tree metadata unreadable).
     deleting: the folders and tombstones of deletions under way (jaxckpt's own).
+    retired: the steps retired (`_incremental`): their folders kept, out of every listing.
     prefixed: the steps of folders named otherwise than jaxckpt names them (`checkpoint_12`),
       looked into or not.
     read: the committed steps whose metadata was read and found readable, each with its
@@ -126,6 +128,7 @@ class Listing:
     unreadable: Mapping[str, str] = dataclasses.field(default_factory=dict)
     damaged: Mapping[int, str] = dataclasses.field(default_factory=dict)
     deleting: tuple[str, ...] = ()
+    retired: tuple[int, ...] = ()
     prefixed: frozenset[int] = frozenset()
     read: frozenset[tuple[int, str]] = frozenset()
 
@@ -195,10 +198,13 @@ class _Lister:
         self.unfinished: dict[str, int] = {}
 
     def listing(self, newest: bool) -> Listing:
-        deleting, hidden = [], set()
+        deleting, hidden, retired = [], set(), set()
         steps: dict[int, list[str]] = {}  # step: the names of its folders
         for name, kind in self.kinds.items():
-            if name.endswith((DELETING_SUFFIX, TOMBSTONE_SUFFIX)):
+            if name.endswith(RETIRED_SUFFIX) and kind == "file":
+                if (step := step_of(name.removesuffix(RETIRED_SUFFIX))) is not None:
+                    retired.add(step)
+            elif name.endswith((DELETING_SUFFIX, TOMBSTONE_SUFFIX)):
                 deleting.append(name)
                 if name.endswith(TOMBSTONE_SUFFIX):  # it hides its step (object storage)
                     hidden.add(step_of(name.removesuffix(TOMBSTONE_SUFFIX)))
@@ -207,7 +213,7 @@ class _Lister:
             elif kind != "file" and (step := orbax_step_of(name)) is not None:
                 steps.setdefault(step, []).append(name)
         bare = ORBAX_TREE_FILE in self.kinds or self.kinds.get(ORBAX_LEGACY_FILE) == "file"
-        for step in sorted(steps.keys() - hidden, reverse=newest):
+        for step in sorted(steps.keys() - hidden - retired, reverse=newest):
             # its canonical folder first: `12` before `checkpoint_12`
             for name in sorted(steps[step], key=lambda n: (n != str(step), n)):
                 self._sort(step, name, orbax=not bare)
@@ -229,6 +235,7 @@ class _Lister:
             unreadable=self.unreadable,
             damaged=self.damaged,
             deleting=tuple(sorted(deleting)),
+            retired=tuple(sorted(retired - hidden)),
             prefixed=frozenset(s for s, names in steps.items() if names != [str(s)]),
             read=frozenset(self.read),
         )

@@ -274,7 +274,7 @@ class LocalStore:
             shutil.rmtree(tmp)
         (tmp / _layout.PACKED).mkdir(parents=True)
         (tmp / _layout.META_DIR).mkdir()
-        hashed = _packed.write(tmp / _layout.PACKED, pieces)
+        hashed, _ = _packed.write(tmp / _layout.PACKED, pieces)
         files = {
             _layout.INFO_PATH: json.dumps(info.to_json()),
             PART_PATH: json.dumps(part.to_json()),

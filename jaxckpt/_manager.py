@@ -84,6 +84,10 @@ class CheckpointManager:
         of small leaves save and restore at the speed of a few big ones
         ([Benchmarks](benchmarks.md)). False writes each leaf as plain Orbax reads it
         ([Coming from Orbax](from-orbax.md)). Steps saved either way restore the same.
+      incremental: each save writes only the pieces of leaves (each distinct shard) whose
+        bytes changed since the newest committed step, and records where the others are
+        ([Incremental steps](incremental.md)): every leaf is packed, so a step is no longer
+        a folder plain Orbax reads, nor one that stands alone.
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
@@ -116,6 +120,7 @@ class CheckpointManager:
         restore_inflight_bytes: int | None = None,
         compression: str | None = None,
         pack_small_leaves: bool = True,
+        incremental: bool = False,
         verify_on_restore: bool = True,
         read_only: bool = False,
         local: LocalTier | None = None,
@@ -144,6 +149,11 @@ class CheckpointManager:
             )
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
+        if incremental and (compression is not None or not pack_small_leaves):
+            raise ConfigError(
+                "incremental=True packs every leaf, raw: it takes neither compression nor "
+                "pack_small_leaves=False"
+            )
         if local is not None and not isinstance(local, LocalTier):
             raise ConfigError(f"local must be a jaxckpt.LocalTier, got {local!r}")
         for name, given, base in (
@@ -171,6 +181,7 @@ class CheckpointManager:
                 read_only=read_only,
                 lock=self._lock,
                 pack=bool(pack_small_leaves) and compression is None,
+                incremental=bool(incremental),
             )
             undo.callback(self._store.close)
             # its listener for copies, made by every process at once (agreed by all)

@@ -23,16 +23,16 @@ from etils import epath
 
 from jaxckpt import (
     _agree,
+    _incremental,
     _integrity,
     _internals,
+    _jaxckpt_steps,
     _layout,
     _listing,
     _orbax_items,
     _orbax_steps,
     _packed,
-    _packed_read,
     _sizes,
-    _transfer,
 )
 from jaxckpt._deleter import Deleter
 from jaxckpt._lock import ObjectLease, WriterLock
@@ -84,10 +84,12 @@ class OrbaxStore:
         read_only: bool = False,
         lock: WriterLock | ObjectLease | None = None,
         pack: bool = True,
+        incremental: bool = False,
     ):
         """`lock`: the writer's lock (held by process 0), checked before each save, each
         commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
-        packed (format 2); False writes each as an Orbax array of its own."""
+        packed (format 2); False writes each as an Orbax array of its own. `incremental`:
+        every leaf is packed, each save writing only what changed (`_incremental`)."""
         self.directory = epath.Path(absolute(directory))
         self.timeout_s = _agree.check_timeout(timeout_s)
         self._save_deadline: _agree.Deadline | None = None  # of the save in flight
@@ -102,12 +104,12 @@ class OrbaxStore:
         self.listed: tuple[int, ...] = ()
         self._noted: int | None = None  # the last save `listed` holds
         self._orbax_trees: dict[epath.Path, Any] = {}  # Orbax's metadata, read once an item
-        # Read once a step; keyed by when it was saved too, as a deleted step's number may
-        # be saved again.
-        self._packed: dict[tuple[epath.Path, str | None], _packed_read.PackedStep] = {}
         self._layouts: dict[tuple[epath.Path, str | None, str | None], Layout] = {}
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
+        self._incremental = incremental
+        self._sharing = _incremental.Sharing()  # which steps share bytes with which
+        self._retired: tuple[int, ...] = ()  # as the last `scan` found them
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
@@ -183,6 +185,7 @@ class OrbaxStore:
         self._orbax_steps = dict(listing.orbax)
         self._read_steps = listing.read
         self._prefixed = listing.prefixed
+        self._retired = listing.retired
         found = (*self.listed, *listing.committed) if newest else listing.committed
         self.listed = tuple(sorted(set(found)))
         return listing
@@ -290,7 +293,9 @@ class OrbaxStore:
         for item in _layout.ITEMS:
             # Orbax refuses zero-size arrays; their specs are enough to remake them.
             leaves = {name: a for name, a in arrays.get(item, {}).items() if a.size}
-            if self._pack:
+            if self._incremental:
+                small[item], leaves = leaves, {}
+            elif self._pack:
                 small[item] = {n: a for n, a in leaves.items() if _packed.is_small(a)}
                 leaves = {n: a for n, a in leaves.items() if n not in small[item]}
             if leaves:
@@ -298,7 +303,8 @@ class OrbaxStore:
                     leaves, ocdbt_target_data_file_size=_orbax_items.data_file_bytes(leaves)
                 )
         if any(small.values()):
-            args[_layout.PACKED] = _orbax_items.PackedSave(small)
+            incremental = step if self._incremental else None
+            args[_layout.PACKED] = _orbax_items.PackedSave(small, incremental)
             packed = {item: frozenset(names) for item, names in small.items() if names}
             info = dataclasses.replace(info, packed=packed)
         args[_layout.META_DIR] = ocp.args.JsonSave(info.to_json())
@@ -364,14 +370,35 @@ class OrbaxStore:
         processes hashed, what they found), then the lock asked again; a writer that lost
         it never commits."""
         hashed: dict[str, Any] = dict(self._packed_handler.written)
+        indexes: list[Any] = []
         if self._saving is not None and jax.process_count() > 1:
             for found in _internals.take(self._digests_key(self._saving)):
                 hashed |= json.loads(found)
             if (folder / _layout.PACKED).is_dir():
-                _packed.merge(folder / _layout.PACKED, jax.process_count())
+                indexes = _packed.merge(folder / _layout.PACKED, jax.process_count())
+        if self._incremental and self._saving is not None:
+            self._record_shares(folder, self._saving, indexes)
         _integrity.write_manifest(folder, read_checked=True, hashed=hashed)
         if self._lock is not None:
             self._lock.check(confirm=True)
+
+    def _record_shares(self, folder: epath.Path, step: int, indexes: list[Any]) -> None:
+        """An incremental step's `shares.json` (every process's references: the merged
+        indexes, or this one process's base); the save fails if a step it shares bytes with is
+        gone (deleted since the base was saved): the step would never restore."""
+        made = self._packed_handler.made
+        if indexes:
+            shares = set(_incremental.shares_of(indexes))
+        else:
+            shares = made.owners() - {step} if made is not None else set()
+        gone = sorted(s for s in shares if not self.step_dir(s).is_dir())
+        if gone:
+            raise RuntimeError(  # the save's background error: SaveError names it
+                f"step {step} shares bytes with step(s) {gone} of {self.directory}, which are "
+                "gone (deleted while it was saved); it is not committed. Save again: the next "
+                "save writes every piece"
+            )
+        _incremental.write_shares(folder, shares)
 
     def step_dir(self, step: int) -> epath.Path:
         """The step's folder (of a step plain Orbax wrote: as the last `scan` found it)."""
@@ -388,6 +415,7 @@ class OrbaxStore:
         _internals.wait_for_background_commit(self._mngr)
         if (step := self._saving) is not None and step != self._noted:  # committed
             self.listed, self._noted = tuple(sorted({*self.listed, step})), step
+            self._packed_handler.adopt()
 
     def layout(self, info: _layout.StepInfo) -> Layout:
         """How the step is read: a step plain Orbax wrote through Orbax alone, one of
@@ -400,7 +428,7 @@ class OrbaxStore:
                 path = info.orbax.item_dir(info.item)
                 made: Layout = _orbax_steps.OrbaxLayout(info, self._item_tree(path), self.directory)
             else:
-                made = JaxckptLayout(self, info)
+                made = _jaxckpt_steps.JaxckptLayout(self, info)
             self._layouts[key] = made
         return self._layouts[key]
 
@@ -428,21 +456,6 @@ class OrbaxStore:
             return problems
         self._sized = {k for k in self._sized if k[0] != folder} | {key}
         return []
-
-    def packed_step(self, info: _layout.StepInfo, item: str) -> _packed_read.PackedStep:
-        """The step's packed leaves, each process's index read once a step."""
-        key = (info.folder(self.directory), info.saved_at)
-        with (
-            _transfer.read_errors(info.step, item, self.directory),
-            _transfer.corrupt_if_not_jaxckpts(info.step, self.directory),
-        ):
-            if key not in self._packed:
-                if len(self._packed) >= 4:  # the steps being read now, not every one read
-                    self._packed.clear()
-                self._packed[key] = _packed_read.PackedStep(
-                    key[0] / _layout.PACKED, info.process_count or 1, opener=self.open_file
-                )
-        return self._packed[key]
 
     def open_file(self, folder: epath.Path, name: str, size: int | None = None) -> Any:
         """Opens a file of a step's packed leaves to read (`_storage.open_inside`)."""
@@ -474,14 +487,47 @@ class OrbaxStore:
             )
         if self._lock is not None:
             self._lock.check()
-        self._packed = {k: v for k, v in self._packed.items() if k[0] != self.step_dir(step)}
-        self._layouts = {k: v for k, v in self._layouts.items() if k[0] != self.step_dir(step)}
-        self.listed = tuple(s for s in self.listed if s != step)
+        kept = self._sharing.users(step, {s: self.step_dir(s) for s in self._own_listed()})
+        if kept:
+            log.info("step %d retired: step(s) %s share its bytes", step, kept)
+        self._forget(step, retired=bool(kept))
+        if kept:
+            self._retired = tuple(sorted({*self._retired, step}))
         if jax.process_index() == 0:
-            self._deleter.delete(step)
+            (self._deleter.retire if kept else self._deleter.delete)(step)
         with _agree.deadline(f"the deletion of step {step}", self.timeout_s):
             _agree.barrier()
         self._mngr.reload()
+        self.free_retired()
+
+    def _own_listed(self) -> list[int]:
+        return [s for s in self.listed if not self.is_orbax(s)]
+
+    def free_retired(self) -> None:
+        """Deletes each retired step (as the last `scan` found them) no committed step
+        shares bytes with any more."""
+        if not self._retired:
+            return
+        kept = {s: self.step_dir(s) for s in self._own_listed()}
+        free = self._sharing.unneeded(self._retired, kept)
+        self._retired = tuple(s for s in self._retired if s not in free)
+        for step in free:
+            log.info("deleting retired step %d: no kept step shares its bytes", step)
+            self._forget(step, retired=False)
+            if jax.process_index() == 0:
+                self._deleter.free(step)
+        if free:
+            with _agree.deadline("the deletion of retired steps", self.timeout_s):
+                _agree.barrier()
+
+    def _forget(self, step: int, *, retired: bool) -> None:
+        """What this store holds of a step leaving the listing (its files going unless
+        `retired`)."""
+        self._layouts = {k: v for k, v in self._layouts.items() if k[0] != self.step_dir(step)}
+        self._sharing.forget(step)
+        self.listed = tuple(s for s in self.listed if s != step)
+        if not retired:
+            self._packed_handler.forget(step)
 
     def close(self) -> None:
         """Waits for the save in flight and the deletions under way (`Deleter.close`)."""
@@ -492,41 +538,3 @@ class OrbaxStore:
         """Deletes a folder or object, in the deleter's thread (`Deleter.remove`; a seam of
         this class, which a faulty store slows or fails)."""
         return self._deleter.remove(path, what)
-
-
-class JaxckptLayout:
-    """A jaxckpt step of the persistent tier (`_stores.Layout`): its Orbax arrays, read
-    through Orbax's handler (each file it reads whole checked for size first), and its
-    packed leaves (`_transfer.PackedLayout`); each leaf read checked against jaxckpt.json."""
-
-    whole = False
-
-    def __init__(self, store: OrbaxStore, info: _layout.StepInfo):
-        self._store, self._info = store, info
-        self._checked: set[str] = set()  # items whose folder and file sizes were checked
-
-    def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
-        store, info, step = self._store, self._info, self._info.step
-        packed = info.packed.get(item, frozenset())
-        out: dict[str, Any] = {}
-        if mine := {n: r for n, r in batch.items() if n in packed}:
-            part = _transfer.PackedLayout(store.packed_step(info, item), step, store.directory)
-            out.update(part.read(item, mine))
-        if not (rest := {n: r for n, r in batch.items() if n not in packed}):
-            return out
-        if item not in self._checked:
-            if not (store.step_dir(step) / item).exists():
-                # every leaf was packed, yet jaxckpt.json names one more: as Orbax's would be
-                name, request = next(iter(rest.items()))
-                _transfer.check_read(step, item, name, None, request, store.directory)
-            store.check_sizes(info, item)
-            self._checked.add(item)
-        with _transfer.read_errors(step, item, store.directory):
-            got = store.read_orbax_arrays(step, item, rest)
-        for name, request in rest.items():
-            _transfer.check_read(step, item, name, got.get(name), request, store.directory)
-        out.update(got)
-        return out
-
-    def packed_step(self, item: str) -> _packed_read.PackedStep:
-        return self._store.packed_step(self._info, item)

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import _internals, _layout, _packed
+from jaxckpt import _incremental, _internals, _layout, _packed
 
 # A replicated array (only those above `_packed.MAX_LEAF_BYTES` are Orbax's) is written by
 # its replicas in slices of at least this many bytes each: the busiest process writes ~1/N
@@ -82,21 +82,40 @@ class DataRestore(ocp.args.CheckpointArgs):
 
 
 class PackedHandler(ocp.AsyncCheckpointHandler):
-    """Writes this process's pieces of every small leaf (`jaxckpt._packed`): copied to the
+    """Writes this process's pieces of the packed leaves (`jaxckpt._packed`): copied to the
     host while the save blocks, written in one file in its background. `written`: each
     file of the save (by its path in the step) with its size and manifest digest, made as
-    it was written: the manifest never reads it back."""
+    it was written: the manifest never reads it back. An incremental save writes only the
+    pieces its `base` does not hold (`jaxckpt._incremental`): `base`, the newest committed
+    step's, is what the last save `made` once the store saw it commit (`adopt`)."""
 
     def __init__(self) -> None:
         self.written: dict[str, tuple[int, str]] = {}
+        self.base: _incremental.SavedPieces | None = None
+        self.made: _incremental.SavedPieces | None = None
 
     async def async_save(self, directory: epath.Path, args: PackedSave) -> list[Any]:
-        pieces = _packed.to_host(args.items, _internals.device_buffers)
+        self.made = None
+        base = None
+        if args.step is not None:  # incremental
+            base = self.base or _incremental.empty(args.step)
+        same = base.same if base is not None else None
+        pieces = _packed.to_host(args.items, _internals.device_buffers, same=same)
 
         async def write() -> None:
-            self.written = _packed.write(directory, pieces)
+            self.written, self.made = _packed.write(directory, pieces, base, args.step)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
+
+    def adopt(self) -> None:
+        """The save just committed: what it made is the next save's base."""
+        if self.made is not None:
+            self.base, self.made = self.made, None
+
+    def forget(self, step: int) -> None:
+        """Step `step` is deleted: a base holding bytes there is no base."""
+        if self.base is not None and (self.base.step == step or step in self.base.owners()):
+            self.base = None
 
     def save(self, directory: epath.Path, args: PackedSave) -> None:
         _packed.write(directory, _packed.to_host(args.items, _internals.device_buffers))
@@ -111,7 +130,10 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
 @ocp.args.register_with_handler(PackedHandler, for_save=True)
 @dataclasses.dataclass
 class PackedSave(ocp.args.CheckpointArgs):
+    """`step`: an incremental save's step (format 3); None: format 2."""
+
     items: Mapping[str, Mapping[str, Any]]
+    step: int | None = None
 
 
 @ocp.args.register_with_handler(PackedHandler, for_restore=True)  # Orbax needs both

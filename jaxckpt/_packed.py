@@ -23,6 +23,12 @@ process's file: a step restores onto any mesh and process count, as Orbax's arra
 Files are written in the save's background, inside the step's temporary folder, so Orbax's
 commit and jaxckpt's manifest cover them.
 
+Format 3 (an incremental step, `jaxckpt._incremental`): every leaf is packed, each digest is
+an XXH3-128 (the manifest's hash), and a piece whose bytes the newest committed step already
+holds is not written again: its entry names where they are, `[offset, bounds, xxh3-128,
+owner step, file]`, the step whose packed folder holds them (always the one that wrote them:
+a reference never leads to another reference).
+
 A reader trusts no claim of an index until it is checked against the index itself and the
 files' real sizes, before it allocates or reads anything of a leaf's size (an index may
 claim TiBs for a file of KiBs, and `diff` reads without verifying the manifest first):
@@ -40,7 +46,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -54,8 +60,20 @@ from jaxckpt._storage import file_sizes, read_small, write_file
 from jaxckpt._tiling import bounds_of
 from jaxckpt._tree import dtype_name
 
+if TYPE_CHECKING:
+    from jaxckpt._incremental import SavedPieces
+
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
+INCREMENTAL_FORMAT = 3  # every leaf packed, XXH3-128 digests, pieces shared with earlier steps
+
+
+def piece_digest(data: Any, version: int) -> str:
+    """A piece's digest in an index of `version`: XXH3-64 (format 2), XXH3-128 (format 3,
+    the manifest's own hash: what decides that a piece is unchanged is no weaker)."""
+    if version >= INCREMENTAL_FORMAT:
+        return xxhash.xxh3_128_hexdigest(data)
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def is_small(value: Any) -> bool:
@@ -68,34 +86,43 @@ def is_small(value: Any) -> bool:
 
 @dataclasses.dataclass
 class HostPieces:
-    """This process's pieces of the small leaves, on the host: what the background writes.
-    `leaves`: (item, name, dtype, shape, [(offset, bounds), ...]) each; a chunk is a
-    piece's array, or (shape, dtype, plan, shards) for a leaf this process holds whole in
-    shards, assembled into one piece in the background. (Few objects a leaf: each one
-    made while the save blocks is one more for Python's next garbage collection to walk.)"""
+    """This process's pieces of the leaves it packs, on the host: what the background
+    writes. `leaves`: (item, name, dtype, shape, [bounds, ...], value) each, `value` the
+    jax.Array saved (None: a NumPy leaf, or not kept); `chunks` hold the pieces' bytes in
+    order: a piece's array, or (shape, dtype, plan, shards) for a leaf this process holds
+    whole in shards, assembled into one piece in the background; none for a leaf whose
+    every piece the newest committed step holds (`same`: (item, name) of those, the same
+    jax.Array object as that step saved). (Few objects a leaf: each one made while the
+    save blocks is one more for Python's next garbage collection to walk.)"""
 
     leaves: list[tuple]
     chunks: list[Any]
-    size: int
+    same: frozenset[tuple[str, str]] = frozenset()
 
-    def index_json(self, digests: Iterable[str]) -> str:
-        """The index, `digests` those of the chunks as written, in order. Made as text, leaf
-        by leaf: as a dict and lists a leaf, at thousands of leaves it set off the garbage
-        collector's full passes in the save's background (35 ms made 330 ms), holding the
-        GIL the training step needs."""
-        found = iter(digests)
-        items: dict[str, list[str]] = {}
-        for item, name, dtype, shape, pieces in self.leaves:
-            text = ",".join(
-                f'[{offset},[{",".join(f"[{a},{b}]" for a, b in bounds)}],"{next(found)}"]'
-                for offset, bounds in pieces
-            )
-            items.setdefault(item, []).append(
-                f'{json.dumps(name)}:{{"dtype":"{dtype_name(dtype)}",'
-                f'"shape":[{",".join(map(str, shape))}],"pieces":[{text}]}}'
-            )
-        leaves = ",".join(f"{json.dumps(item)}:{{{','.join(e)}}}" for item, e in items.items())
-        return f'{{"format":{INDEX_FORMAT},"bytes":{self.size},"leaves":{{{leaves}}}}}'
+
+def index_json(version: int, leaves: Iterable[tuple], entries: Iterable[list], size: int) -> str:
+    """An index of `version`: `leaves` as in `HostPieces.leaves`, `entries` each piece's
+    entry in order past its bounds (`[offset, digest]`, or `[offset, digest, owner, file]`
+    for one in an earlier step's file). Made as text, leaf by leaf: as a dict and lists a
+    leaf, at thousands of leaves it set off the garbage collector's full passes in the
+    save's background (35 ms made 330 ms), holding the GIL the training step needs."""
+    found = iter(entries)
+    items: dict[str, list[str]] = {}
+    for item, name, dtype, shape, pieces, _ in leaves:
+        text = ",".join(_piece_json(bounds, next(found)) for bounds in pieces)
+        items.setdefault(item, []).append(
+            f'{json.dumps(name)}:{{"dtype":"{dtype_name(dtype)}",'
+            f'"shape":[{",".join(map(str, shape))}],"pieces":[{text}]}}'
+        )
+    body = ",".join(f"{json.dumps(item)}:{{{','.join(e)}}}" for item, e in items.items())
+    return f'{{"format":{version},"bytes":{size},"leaves":{{{body}}}}}'
+
+
+def _piece_json(bounds: Bounds, entry: list) -> str:
+    offset, digest, *owner = entry
+    at = ",".join(f"[{a},{b}]" for a, b in bounds)
+    tail = f',{owner[0]},"{owner[1]}"' if owner else ""
+    return f'[{offset},[{at}],"{digest}"{tail}]'
 
 
 def _whole(chunk: Any) -> np.ndarray:
@@ -186,21 +213,25 @@ def to_host(
     buffers: Callable[[jax.Array], Sequence[Any]],
     *,
     local: bool = False,
+    same: Callable[[str, str, jax.Array, list[Bounds]], bool] | None = None,
 ) -> HostPieces:
-    """Copies this process's pieces of the small leaves (`{item: {name: value}}`) to the
+    """Copies this process's pieces of the leaves to pack (`{item: {name: value}}`) to the
     host: the part of a save that blocks the training step, so only each shard's copy
     happens here (`buffers(array)`: its addressable single-device arrays, in the order of
     `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
     donates). A jax.Array this process holds whole is one piece (assembled in the
-    background); of one spread over processes, and of a NumPy leaf (the same on every
-    process), what it is the `_writer` of. With `local` (the local tier), every distinct
-    shard this process holds, and every NumPy leaf."""
+    background); of one spread over processes, and of
+    a NumPy leaf (the same on every process), what it is the `_writer` of. With `local`
+    (the local tier), every distinct shard this process holds, and every NumPy leaf.
+    `same(item, name, value, bounds)`: whether the newest committed step saved this very
+    array, with these pieces (an incremental save: they are not copied, that step holds
+    them; large leaves are a piece a distinct shard, none assembled)."""
     if jax.default_backend() != "cpu":  # start every copy before waiting on one (CPU
-        for arrays in items.values():  # devices' memory is the host's: nothing to start)
-            for value in arrays.values():
-                if isinstance(value, jax.Array):
+        for item, arrays in items.items():  # devices' memory is the host's: nothing to start)
+            for name, value in arrays.items():
+                if isinstance(value, jax.Array) and not (same and same(item, name, value, [])):
                     value.copy_to_host_async()
-    leaves, chunks, offset = list[tuple](), list[Any](), 0
+    leaves, chunks, unchanged = list[tuple](), list[Any](), set[tuple[str, str]]()
     me, loads = jax.process_index(), np.zeros(jax.process_count(), np.int64)
     for item, arrays in items.items():
         for name, value in arrays.items():
@@ -209,26 +240,29 @@ def to_host(
                 plan, about = _piece_plan(value, local, loads)
                 if not plan:
                     continue
+                # An incremental step assembles no large leaf (a piece a distinct shard: a
+                # save holds no second copy of it, and a shard unchanged is one piece).
+                whole = about.whole and (same is None or about.nbytes <= MAX_LEAF_BYTES)
+                pieces = [_all(shape)] if whole else [bounds for _, bounds in plan]
+                if same is not None and same(item, name, value, pieces):
+                    unchanged.add((item, name))
+                    leaves.append((item, name, dtype, shape, pieces, value))
+                    continue
                 buffers_of = buffers(value)
                 shards = [np.asarray(buffers_of[i]) for i, _ in plan]
-                if about.whole:
+                if whole:
                     chunks.append((shape, dtype, plan, shards))
-                    leaves.append((item, name, dtype, shape, [(offset, _all(shape))]))
-                    offset += about.nbytes
+                    leaves.append((item, name, dtype, shape, [_all(shape)], value))
                     continue
                 chunks.extend(shards)
-                pieces = []
-                for (_, bounds), shard in zip(plan, shards, strict=True):
-                    pieces.append((offset, bounds))
-                    offset += shard.nbytes
             elif local or _writer(loads, value.nbytes) == me:
                 chunks.append(np.ascontiguousarray(value))
-                pieces = [(offset, _all(shape))]
-                offset += value.nbytes
+                pieces = [_all(shape)]
+                value = None
             else:
                 continue
-            leaves.append((item, name, dtype, shape, pieces))
-    return HostPieces(leaves, chunks, offset)
+            leaves.append((item, name, dtype, shape, pieces, value))
+    return HostPieces(leaves, chunks, frozenset(unchanged))
 
 
 def _writer(loads: np.ndarray, nbytes: int, among: np.ndarray | None = None) -> int:
@@ -245,24 +279,55 @@ def _all(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((0, n) for n in shape)
 
 
-def write(folder: epath.Path, pieces: HostPieces) -> dict[str, tuple[int, str]]:
+def write(
+    folder: epath.Path, pieces: HostPieces, base: SavedPieces | None = None, step: int | None = None
+) -> tuple[dict[str, tuple[int, str]], SavedPieces | None]:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
     holds at most one leaf beyond what the save copied off the devices. Returns the size
     and manifest digest of each file (`_integrity.hasher`), made as it was written, by its
-    path in the step (`packed/<name>`), as the manifest names it."""
+    path in the step (`packed/<name>`), as the manifest names it.
+
+    With a `base` (an incremental save of step `step`: format 3) a piece the base holds
+    (the same array, or bytes of the same XXH3-128) is not written: its entry names where
+    the base's step holds it; also returns the base this step makes for the next."""
+    version = INDEX_FORMAT if base is None else INCREMENTAL_FORMAT
     data, index = packed_files(jax.process_index(), jax.process_count())
-    digests: list[str] = []
-    written = {f"{PACKED}/{data}": _write(folder, data, pieces.chunks, digests)}
-    index_json = pieces.index_json(digests).encode()
-    return written | {f"{PACKED}/{index}": _write(folder, index, [index_json], [])}
+    entries: list[list] = []
+    size = 0
+
+    def stream() -> Iterator[Any]:
+        nonlocal size
+        chunks = iter(pieces.chunks)
+        for item, name, dtype, shape, bounds_list, _ in pieces.leaves:
+            if base is not None and (item, name) in pieces.same:
+                entries.extend(base.entry(item, name, b) for b in bounds_list)
+                continue
+            for bounds in bounds_list:
+                chunk = _bytes(next(chunks))
+                digest = piece_digest(chunk, version)  # releases the GIL, as writing does
+                held = None if base is None else base.held(item, name, dtype, shape, bounds)
+                if held is not None and held[1] == digest:
+                    entries.append(held)
+                    continue
+                entries.append([size, digest])
+                size += chunk.nbytes
+                yield chunk
+
+    written = {f"{PACKED}/{data}": _write(folder, data, stream())}
+    text = index_json(version, pieces.leaves, entries, size).encode()
+    written[f"{PACKED}/{index}"] = _write(folder, index, [text])
+    if base is None or step is None:
+        return written, None
+    return written, base.next(step, data, pieces.leaves, entries)
 
 
-def merge(folder: epath.Path, processes: int) -> None:
+def merge(folder: epath.Path, processes: int) -> list[Any]:
     """On process 0 of a job of several, once every process's files of the step are
     written (before the manifest, which covers it): every process's index in one file,
     which a reader reads instead of each process's (O(1) requests, not O(N), on each).
-    A process's index missing is null there (its leaves are found incomplete)."""
+    A process's index missing is null there (its leaves are found incomplete). Returns
+    the indexes."""
     present = file_sizes(folder)
     names = [packed_files(p, processes)[1] for p in range(processes)]
 
@@ -273,25 +338,18 @@ def merge(folder: epath.Path, processes: int) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(16, "jaxckpt-packed-merge") as pool:
         indexes = list(pool.map(load, names))
-    doc = {"format": INDEX_FORMAT, "indexes": indexes}
-    _write(folder, PACKED_INDEX, [json.dumps(doc).encode()], [])
+    formats = {d["format"] for d in indexes if type(d) is dict and "format" in d}
+    doc = {"format": max(formats, default=INDEX_FORMAT), "indexes": indexes}
+    _write(folder, PACKED_INDEX, [json.dumps(doc).encode()])
+    return indexes
 
 
-def _write(
-    folder: epath.Path, name: str, chunks: Iterable[Any], digests: list[str]
-) -> tuple[int, str]:
-    """One file of `chunks`, the XXH3-64 of each appended to `digests` as it is written;
-    returns the file's size and manifest digest (it is never read back to be hashed)."""
-
-    def digested() -> Iterator[Any]:
-        for chunk in chunks:
-            data = _bytes(chunk)
-            digests.append(xxhash.xxh3_64_hexdigest(data))  # releases the GIL, as writing does
-            yield data
-
+def _write(folder: epath.Path, name: str, chunks: Iterable[Any]) -> tuple[int, str]:
+    """One file of `chunks`; returns its size and manifest digest (it is never read back to
+    be hashed)."""
     whole = hasher()
-    return write_file(folder, name, digested(), whole), whole.hexdigest()
+    return write_file(folder, name, chunks, whole), whole.hexdigest()
 
 
-def _bytes(chunk: Any) -> Any:
-    return chunk if isinstance(chunk, bytes) else _whole(chunk).reshape(-1).view(np.uint8)
+def _bytes(chunk: Any) -> np.ndarray:
+    return _whole(chunk).reshape(-1).view(np.uint8)

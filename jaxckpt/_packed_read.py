@@ -15,18 +15,22 @@ from typing import Any
 
 import jax
 import numpy as np
-import xxhash
 from etils import epath
 
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
-from jaxckpt._packed import INDEX_FORMAT, filled
+from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
 from jaxckpt._tiling import check_held, check_tiling, overlaps, regions_of
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
-_FORMATS = (1, INDEX_FORMAT)
-_PIECE_FORMS = {1: "[offset, [[start, stop], ...]]", 2: "[offset, [[start, stop], ...], xxh3-64]"}
-_DIGEST = re.compile("[0-9a-f]{16}")  # XXH3-64, hex
+_FORMATS = (1, INDEX_FORMAT, INCREMENTAL_FORMAT)
+_PIECE_FORMS = {
+    1: "[offset, [[start, stop], ...]]",
+    2: "[offset, [[start, stop], ...], xxh3-64]",
+    3: "[offset, [[start, stop], ...], xxh3-128(, owner step, file)]",
+}
+_DIGESTS = {2: re.compile("[0-9a-f]{16}"), 3: re.compile("[0-9a-f]{32}")}  # XXH3-64, -128
+_DATA_FILE = re.compile(r"(\d{1,9})-of-(\d{1,9})\.bin")  # a process's file (`packed_files`)
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 
 
@@ -36,7 +40,15 @@ class Piece:
     offset: int
     bounds: tuple[tuple[int, int], ...]
     nbytes: int
-    digest: str | None  # XXH3-64 hex of its bytes (None: format 1)
+    digest: str | None  # XXH3-64 (format 2) or -128 (3) hex of its bytes (None: format 1)
+    # Format 3: the earlier step whose packed folder holds its bytes, and the file there
+    # (None: this step's, the file of `process`).
+    owner: int | None = None
+    file: str | None = None
+
+    def source(self) -> tuple[int | None, str | None, int]:
+        """The file it is in: (owner step, file name) or (None, None, process)."""
+        return (self.owner, self.file, -1) if self.owner is not None else (None, None, self.process)
 
 
 class PackedStep:
@@ -56,11 +68,16 @@ class PackedStep:
         region a reader's devices need within one of their pieces (`holds`). `opener`:
         how a file `(folder, name, size=)` is opened to read (`open_inside`; a store's own)."""
         self.folder = folder
+        # An incremental step's pieces in earlier steps' folders: in the same directory.
+        self.directory = folder.parent.parent
+        self.step = _step_number(folder.parent.name)
+        self._claims: dict[tuple, int] = {}  # each earlier step's file: the bytes claimed
+        self._owner_sizes: dict[int, dict[str, int]] = {}  # each earlier step's files, listed
         self._open = opener
         self.processes = processes
         self._partial = parts is not None
         self._sizes: dict[int, int] = {}  # each process's file: the bytes its index claims
-        self._sized: set[int] = set()  # the processes whose file was found that long
+        self._sized: set[tuple] = set()  # the files (`Piece.source`) found that long
         self._leaves: dict[str, dict[str, tuple[np.dtype, tuple[int, ...], list[Piece]]]] = {}
         try:  # one listing: which files are there and how long (no request for each)
             self._present = file_sizes(folder)
@@ -80,7 +97,7 @@ class PackedStep:
         several = processes > 1 or packed_files(0, 1)[1] not in self._present
         if parts is None and several and PACKED_INDEX in self._present:
             doc = self._load(PACKED_INDEX)
-            ok = type(doc) is dict and doc.get("format") == INDEX_FORMAT
+            ok = type(doc) is dict and doc.get("format") in (INDEX_FORMAT, INCREMENTAL_FORMAT)
             indexes = doc["indexes"] if ok and "indexes" in doc else None
             if type(indexes) is not list or len(indexes) != processes:
                 raise ValueError(
@@ -111,26 +128,33 @@ class PackedStep:
         ):
             raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
         self._sizes[process] = doc["bytes"]
-        spans: list[tuple[int, int]] = []  # the bytes of each piece in the file
+        spans: dict[tuple, list[tuple[int, int]]] = {}  # the bytes of each piece, by file
         for item, leaves in doc["leaves"].items():
             if not isinstance(leaves, dict):
                 raise ValueError(f"{where}: item {item!r} is not an object of leaves")
             known = self._leaves.setdefault(item, {})
             for name, entry in leaves.items():
                 dtype, shape, pieces = _entry(
-                    entry, process, doc["bytes"], doc["format"], f"{where}: {name!r}"
+                    entry, process, doc["bytes"], doc["format"], f"{where}: {name!r}", self.step
                 )
-                spans.extend((p.offset, p.nbytes) for p in pieces if p.nbytes)
+                for p in pieces:
+                    if p.nbytes:
+                        spans.setdefault(p.source(), []).append((p.offset, p.nbytes))
+                        if p.owner is not None:
+                            self._claims[p.source()] = max(
+                                self._claims.get(p.source(), 0), p.offset + p.nbytes
+                            )
                 if name in known:
                     if known[name][:2] != (dtype, shape):
                         raise ValueError(f"{where}: {name!r} differs from another process's")
                     known[name][2].extend(pieces)
                 else:
                     known[name] = (dtype, shape, pieces)
-        spans.sort()
-        for (start, nbytes), (after, _) in itertools.pairwise(spans):
-            if after < start + nbytes:  # one byte read as two elements: a leaf of copies
-                raise ValueError(f"{where}: two pieces overlap at byte {after} of the file")
+        for found in spans.values():
+            found.sort()
+            for (start, nbytes), (after, _) in itertools.pairwise(found):
+                if after < start + nbytes:  # one byte read as two elements: a leaf of copies
+                    raise ValueError(f"{where}: two pieces overlap at byte {after} of a file")
 
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
@@ -162,7 +186,7 @@ class PackedStep:
         """The pieces to read for each requested leaf; ValueError if they cannot fill it."""
         leaves = self._leaves.get(item, {})
         wanted: dict[str, list[Piece]] = {}
-        files: set[int] = set()
+        files: set[tuple] = set()
         for name, request in requests.items():
             if name not in leaves:
                 raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
@@ -179,26 +203,52 @@ class PackedStep:
             else:
                 check_tiling(item, name, shape, pieces)
             wanted[name] = [p for p in pieces if regions is None or overlaps(p, regions)]
-            files.update(p.process for p in pieces)  # a leaf is allocated whole: all of them
+            files.update(p.source() for p in pieces)  # a leaf is allocated whole: all of them
         self._check_sizes(files - self._sized)
         return wanted
 
-    def _check_sizes(self, processes: Iterable[int]) -> None:
-        """Each of these processes' files must hold the bytes its index claims (its size as
-        listed, ValueError otherwise; a file shorter when read is caught by that read): then
-        no piece reaches past the file's end, and a leaf's pieces, sharing no byte, hold at
-        most its bytes."""
-        for process in sorted(processes):
-            rel = packed_files(process, self.processes)[0]
-            real = self._present.get(rel)
+    def pieces(self) -> list[Piece]:
+        """Every piece of every leaf the indexes list."""
+        return [p for leaves in self._leaves.values() for *_, ps in leaves.values() for p in ps]
+
+    def check_sizes(self, sources: Iterable[tuple]) -> None:
+        """`_check_sizes` of these files (`Piece.source`) not checked yet."""
+        self._check_sizes(set(sources) - self._sized)
+
+    def _check_sizes(self, sources: Iterable[tuple]) -> None:
+        """Each of these files (`Piece.source`) must hold the bytes the indexes claim (its
+        size as listed, ValueError otherwise; a file shorter when read is caught by that
+        read): then no piece reaches past the file's end, and a leaf's pieces, sharing no
+        byte, hold at most its bytes."""
+        for source in sorted(sources, key=str):
+            owner, name, process = source
+            if owner is None:
+                rel = packed_files(process, self.processes)[0]
+                real, claimed = self._present.get(rel), self._sizes[process]
+            else:
+                rel = f"{owner}/{PACKED}/{name}"
+                real, claimed = self._owner_files(owner).get(name), self._claims[source]
             if real is None:
-                raise ValueError(f"{PACKED}/{rel} is missing")
-            if real < self._sizes[process]:
                 raise ValueError(
-                    f"{PACKED}/{rel} holds {real} bytes, fewer than the "
-                    f"{self._sizes[process]} its index places pieces in"
+                    f"{PACKED}/{rel} is missing"
+                    if owner is None
+                    else f"{rel}, which holds pieces of this step, is missing"
                 )
-            self._sized.add(process)
+            if real < claimed:
+                raise ValueError(
+                    f"{'' if owner is not None else PACKED + '/'}{rel} holds {real} bytes, "
+                    f"fewer than the {claimed} the index places pieces in"
+                )
+            self._sized.add(source)
+
+    def _owner_files(self, owner: int) -> dict[str, int]:
+        """An earlier step's packed files, with their sizes (one listing a step)."""
+        if owner not in self._owner_sizes:
+            try:
+                self._owner_sizes[owner] = file_sizes(self.directory / str(owner) / PACKED)
+            except FileNotFoundError:
+                self._owner_sizes[owner] = {}
+        return self._owner_sizes[owner]
 
     def read_pieces(self, pieces: Iterable[Piece]) -> dict[Piece, np.ndarray]:
         """The bytes of each piece. On object storage in as few requests as their offsets
@@ -206,12 +256,12 @@ class PackedStep:
         pieces views of its bytes. On local disk each piece is read into memory of its own:
         a batch's one buffer was new memory from the kernel at each restore, faulted in page
         by page as it was read (0.15-0.2 s for 64 MiB on these VMs, the read 0.02 s)."""
-        by_process: dict[int, list[Piece]] = {}
+        by_file: dict[tuple, list[Piece]] = {}
         for p in pieces:
-            by_process.setdefault(p.process, []).append(p)
+            by_file.setdefault(p.source(), []).append(p)
         out: dict[Piece, np.ndarray] = {}
         merge = is_remote(self.folder)
-        for process, found in by_process.items():
+        for (owner, name, process), found in by_file.items():
             found.sort(key=lambda p: p.offset)
             runs: list[list[Piece]] = [[found[0]]]
             wanted = found[0].nbytes  # of the last run
@@ -226,8 +276,13 @@ class PackedStep:
                 else:
                     runs.append([p])
                     wanted = p.nbytes
-            rel = packed_files(process, self.processes)[0]
-            with self._open(self.folder, rel, size=self._present.get(rel)) as f:
+            if owner is None:
+                root, rel = self.folder, packed_files(process, self.processes)[0]
+                where, size = f"{PACKED}/{rel}", self._present.get(rel)
+            else:  # from the directory down, no link followed: never out of it
+                root, rel = self.directory, f"{owner}/{PACKED}/{name}"
+                where, size = rel, self._owner_files(owner).get(str(name))
+            with self._open(root, rel, size=size) as f:
                 for run in runs:
                     start = run[0].offset
                     stop = max(p.offset + p.nbytes for p in run)
@@ -237,20 +292,31 @@ class PackedStep:
                     got = f.readinto(view.data)
                     if got != stop - start:
                         raise ValueError(
-                            f"{PACKED}/{rel} ends at byte {start + got}, before the "
+                            f"{where} ends at byte {start + got}, before the "
                             f"pieces its index places up to byte {stop}"
                         )
                     for p in run:
                         out[p] = view[p.offset - start : p.offset - start + p.nbytes]
-                        if p.digest and xxhash.xxh3_64_hexdigest(out[p].data) != p.digest:
+                        if p.digest and _digest(out[p].data, p.digest) != p.digest:
                             raise ValueError(
-                                f"{PACKED}/{rel}: the {p.nbytes} bytes at byte {p.offset} do "
+                                f"{where}: the {p.nbytes} bytes at byte {p.offset} do "
                                 "not match their checksum in the index (the file is damaged)"
                             )
         return out
 
 
-def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tuple:
+def _digest(data: Any, like: str) -> str:
+    """The digest of `data` of the kind `like` is (XXH3-64 or -128, by its length)."""
+    return piece_digest(data, INCREMENTAL_FORMAT if len(like) == 32 else INDEX_FORMAT)
+
+
+def _step_number(name: str) -> int | None:
+    return int(name) if name.isdigit() and len(name) < 19 else None
+
+
+def _entry(
+    entry: Any, process: int, size: int, version: int, where: str, step: int | None
+) -> tuple:
     shape = entry.get("shape") if type(entry) is dict else None
     pieces = entry.get("pieces") if type(entry) is dict else None
     if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
@@ -261,19 +327,38 @@ def _entry(entry: Any, process: int, size: int, version: int, where: str) -> tup
     shape = tuple(shape)
     out = []
     for piece in pieces:
-        digest = None
-        if version > 1:  # [offset, bounds, digest]: the digest apart
-            digest = piece[2] if type(piece) is list and len(piece) == 3 else None
-            piece = piece[:2] if type(digest) is str and _DIGEST.fullmatch(digest) else None
+        digest, owner, file = None, None, None
+        if version > 1:  # [offset, bounds, digest(, owner, file)]: the rest apart
+            piece, digest, owner, file = _split(piece, version, step)
         bounds = _piece_bounds(piece, shape)
         if bounds is None:
             raise ValueError(f"{where}: a piece is not {_PIECE_FORMS[version]} within shape")
         offset = piece[0]
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
-        if offset + nbytes > size:
+        if owner is None and offset + nbytes > size:
             raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        out.append(Piece(process, offset, bounds, nbytes, digest))
+        out.append(Piece(process, offset, bounds, nbytes, digest, owner, file))
     return dtype, shape, out
+
+
+def _split(piece: Any, version: int, step: int | None) -> tuple:
+    """A piece of format 2 or 3 as ([offset, bounds], digest, owner, file); ([], ...) if
+    it is not one: a reference names an earlier step, and a process's file there."""
+    nothing: tuple = ([], None, None, None)
+    forms = (3, 5) if version >= INCREMENTAL_FORMAT else (3,)
+    if type(piece) is not list or len(piece) not in forms:
+        return nothing
+    digest = piece[2]
+    if type(digest) is not str or not _DIGESTS[version].fullmatch(digest):
+        return nothing
+    if len(piece) == 3:
+        return piece[:2], digest, None, None
+    owner, file = piece[3], piece[4]
+    if type(owner) is not int or owner < 0 or (step is not None and owner >= step):
+        return nothing
+    if type(file) is not str or not _DATA_FILE.fullmatch(file):
+        return nothing
+    return piece[:2], digest, owner, file
 
 
 def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:

@@ -23,7 +23,17 @@ from typing import Any
 import jax
 from etils import epath
 
-from jaxckpt import _agree, _integrity, _iterators, _layout, _listing, _orbax, _orbax_steps, _spread
+from jaxckpt import (
+    _agree,
+    _incremental,
+    _integrity,
+    _iterators,
+    _layout,
+    _listing,
+    _orbax,
+    _orbax_steps,
+    _spread,
+)
 from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
@@ -348,12 +358,23 @@ class Reader:
             if s in listing.orbax:
                 reports.append(self._read_whole(s, listing.orbax[s], progress))
             elif s in listing.committed:
-                reports.append(_integrity.verify_step(listing.folders[s], s, progress=progress))
+                report = _integrity.verify_step(listing.folders[s], s, progress=progress)
+                if shared := _incremental.verify_shared(listing.folders[s], self._processes(s)):
+                    report = dataclasses.replace(report, problems=(*report.problems, *shared))
+                reports.append(report)
             elif s in listing.damaged:
                 reports.append(_integrity.StepReport(s, 0, 0, (listing.damaged[s],)))
         if step is not None and not reports:
             raise StepNotFoundError(step, listing.committed, str(listing.directory))
         return reports
+
+    def _processes(self, step: int) -> int:
+        """The number of processes that saved a committed step (1 if it cannot be told:
+        its verify names what is wrong)."""
+        try:
+            return self._store.info(step).process_count or 1
+        except JaxckptError:
+            return 1
 
     def _read_whole(
         self, step: int, found: _layout.OrbaxStep, progress: _integrity.Progress | None

@@ -5,7 +5,7 @@ step on disk, and the one place a read is cut into batches (`read_batched`).
               whole job), and `_local.LocalStore`, this process's part of each step in its
               own directory. They differ in how they commit and who reads what.
     Layout    how one kind of step is read, a batch at a time, each array onto its sharding:
-              a jaxckpt step of the persistent tier (`_orbax.JaxckptLayout`: Orbax's arrays
+              a jaxckpt step of the persistent tier (`_jaxckpt_steps.JaxckptLayout`: Orbax's arrays
               and the packed leaves), a step plain Orbax wrote (`_orbax_steps.OrbaxLayout`),
               a process's part of a local step (`_transfer.PackedLayout`).
 

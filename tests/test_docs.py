@@ -452,6 +452,7 @@ CHAIN_MODULES = (
     "jaxckpt._match",
     "jaxckpt._orbax",
     "jaxckpt._orbax_steps",
+    "jaxckpt._jaxckpt_steps",
     "jaxckpt._stores",
     "jaxckpt._local",
     "jaxckpt._layout",

@@ -1,0 +1,203 @@
+"""Incremental steps: a save writes only the pieces that changed since the newest committed
+step, and records where the others already are. The one owner of what "unchanged" means,
+of which steps a step shares bytes with, and of which steps must stay on disk for that.
+
+A step saved with `incremental=True` packs every leaf (format 3, `jaxckpt._packed`): each
+piece (a distinct shard of a leaf, or a small leaf whole) with the XXH3-128 of its bytes.
+A piece of the new step is the base's piece, and is not written, when the base (the newest
+committed step this process saved) holds a piece of the same leaf, dtype, shape and bounds
+and either
+
+- the leaf is the very `jax.Array` object the base saved (arrays are immutable: exact, and
+  nothing is copied off the devices nor hashed), or
+- its bytes have the same XXH3-128 (hashed in the save's background, as they are written
+  otherwise). Two different pieces share a 128-bit digest with probability about 2^-128 a
+  pair, the manifest's own odds (`_integrity.HASH`): a step is no likelier to restore wrong
+  bytes than a damaged file is to pass `verify`.
+
+The entry of such a piece names the step whose folder holds its bytes (the one that wrote
+them: a reference never leads to another), and `<step>/jaxckpt/shares.json` lists those
+steps. Retention never deletes a step a kept step shares bytes with: it retires it instead
+(`<step>.jaxckpt-retired` beside it: out of every listing, its files kept) and deletes it
+once no kept step shares its bytes (`referenced`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from jaxckpt import _layout, _packed_read
+from jaxckpt._storage import file_sizes, read_small
+
+log = logging.getLogger("jaxckpt")
+
+SHARES_PATH = f"{_layout.META_DIR}/shares.json"
+
+Bounds = tuple[tuple[int, int], ...]
+Key = tuple[str, str, Bounds]  # item, leaf name, bounds
+
+
+@dataclasses.dataclass
+class SavedPieces:
+    """The newest committed step this process saved incrementally, as this process wrote
+    it: each piece's entry where its bytes are (`[offset, xxh3-128, owner step, file]`),
+    and the arrays it saved (weakly: the base keeps none alive)."""
+
+    step: int
+    pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]]
+    arrays: dict[tuple[str, str], weakref.ref]
+
+    def same(self, item: str, name: str, value: Any, bounds: Iterable[Bounds]) -> bool:
+        """Whether `value` is the very array the base saved as this leaf, each of these
+        pieces of it there (the base holds every byte this process would write of it)."""
+        ref = self.arrays.get((item, name))
+        if ref is None or ref() is not value:
+            return False
+        return all((item, name, b) in self.pieces for b in bounds)
+
+    def entry(self, item: str, name: str, bounds: Bounds) -> list:
+        """The entry of the base's piece of this leaf and bounds (`same` said it has it)."""
+        return self.pieces[(item, name, bounds)][2]
+
+    def held(
+        self, item: str, name: str, dtype: np.dtype, shape: tuple[int, ...], bounds: Bounds
+    ) -> list | None:
+        """The entry of the base's piece of this leaf and bounds, if it has one of this
+        dtype and shape."""
+        found = self.pieces.get((item, name, bounds))
+        if found is None or found[0] != dtype or found[1] != shape:
+            return None
+        return found[2]
+
+    def next(
+        self, step: int, data_file: str, leaves: Iterable[tuple], entries: list
+    ) -> SavedPieces:
+        """The base step `step` makes once committed: `leaves` (`_packed.HostPieces.leaves`)
+        with their pieces' `entries` as its index holds them, its own pieces in `data_file`."""
+        found = iter(entries)
+        pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
+        arrays: dict[tuple[str, str], weakref.ref] = {}
+        for item, name, dtype, shape, bounds_list, value in leaves:
+            for bounds in bounds_list:
+                entry = next(found)
+                where = entry if len(entry) == 4 else [*entry, step, data_file]
+                pieces[(item, name, bounds)] = (dtype, shape, where)
+            if value is not None:
+                arrays[(item, name)] = weakref.ref(value)
+        return SavedPieces(step, pieces, arrays)
+
+    def owners(self) -> set[int]:
+        """The steps this base's pieces are in."""
+        return {entry[2] for _, _, entry in self.pieces.values()}
+
+
+def empty(step: int) -> SavedPieces:
+    """The base of a step that holds no piece (a first incremental save makes one)."""
+    return SavedPieces(step, {}, {})
+
+
+def shares_of(entries: Iterable[Mapping[str, Any]]) -> list[int]:
+    """The owner steps that these indexes' (`_packed` format 3 docs) pieces refer to."""
+    owners: set[int] = set()
+    for doc in entries:
+        if type(doc) is not dict or doc.get("format", 0) < 3:
+            continue
+        for leaves in (doc.get("leaves") or {}).values():
+            for entry in leaves.values() if type(leaves) is dict else ():
+                for piece in entry.get("pieces", ()) if type(entry) is dict else ():
+                    if type(piece) is list and len(piece) == 5 and type(piece[3]) is int:
+                        owners.add(piece[3])
+    return sorted(owners)
+
+
+def write_shares(step_dir: epath.Path, steps: Iterable[int]) -> None:
+    """The step's `shares.json`: the steps whose bytes it refers to (before its manifest,
+    which covers it)."""
+    (step_dir / SHARES_PATH).write_text(json.dumps({"steps": sorted(set(steps))}))
+
+
+def read_shares(step_dir: epath.Path) -> frozenset[int]:
+    """The steps a committed step shares bytes with (none for a step without the file: one
+    not saved incrementally). A file that is not what jaxckpt writes shares nothing named
+    (ValueError: retention keeps what it cannot read, `referenced`)."""
+    try:
+        size = file_sizes(step_dir / _layout.META_DIR).get("shares.json")
+    except FileNotFoundError:
+        return frozenset()
+    if size is None:
+        return frozenset()
+    doc = json.loads(read_small(step_dir / _layout.META_DIR, "shares.json", size))
+    steps = doc.get("steps") if type(doc) is dict else None
+    if type(steps) is not list or not all(type(s) is int and s >= 0 for s in steps):
+        raise ValueError(f"{step_dir / SHARES_PATH} is not a list of steps")
+    return frozenset(steps)
+
+
+class Sharing:
+    """Which committed steps share bytes with which: each step's `shares.json` read once
+    (a committed step's never changes; `forget` a step that leaves the listing)."""
+
+    def __init__(self) -> None:
+        self._shares: dict[tuple[epath.Path, int], frozenset[int]] = {}
+
+    def of(self, step: int, step_dir: epath.Path) -> frozenset[int]:
+        """The steps `step` shares bytes with; every earlier one where that cannot be read
+        (logged): what it needs is kept."""
+        key = (step_dir, step)
+        if key not in self._shares:
+            try:
+                self._shares[key] = read_shares(step_dir)
+            except (OSError, ValueError) as e:
+                log.warning("could not read which steps step %d shares bytes with: %s", step, e)
+                return frozenset(range(step))
+        return self._shares[key]
+
+    def users(self, step: int, kept: Mapping[int, epath.Path]) -> list[int]:
+        """Which of the `kept` steps (by their folders) share bytes with `step`."""
+        return [s for s, at in kept.items() if s != step and step in self.of(s, at)]
+
+    def unneeded(self, retired: Iterable[int], kept: Mapping[int, epath.Path]) -> list[int]:
+        """Which `retired` steps no `kept` step shares bytes with: to delete."""
+        needed = set().union(*(self.of(s, at) for s, at in kept.items()))
+        return [s for s in retired if s not in needed]
+
+    def forget(self, step: int) -> None:
+        self._shares = {k: v for k, v in self._shares.items() if k[1] != step}
+
+
+VERIFY_BATCH_BYTES = 64 * 2**20  # of shared pieces read (and checked) at once
+
+
+def verify_shared(step_dir: epath.Path, processes: int) -> list[str]:
+    """The problems of the bytes a step shares with earlier ones (`shares.json`): each
+    piece its index places in another step's folder read and checked against its XXH3-128,
+    a batch at a time. Their own files each step's manifest covers; here a piece damaged
+    there is named again, for every step that uses it."""
+    if not read_shares(step_dir):
+        return []
+    try:
+        packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes)
+        shared = [p for p in packed.pieces() if p.owner is not None]
+    except (OSError, ValueError) as e:
+        return [f"{_layout.PACKED}/: {e}"]
+    problems: list[str] = []
+    batch: list[_packed_read.Piece] = []
+    for piece in [*shared, None]:
+        if piece is not None:
+            batch.append(piece)
+        if batch and (piece is None or sum(p.nbytes for p in batch) >= VERIFY_BATCH_BYTES):
+            try:
+                packed.check_sizes({p.source() for p in batch})
+                packed.read_pieces(batch)
+            except (OSError, ValueError) as e:
+                problems.append(f"shared with step {batch[0].owner}: {e}")
+            batch = []
+    return problems

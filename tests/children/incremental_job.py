@@ -1,0 +1,54 @@
+"""The job of tests/test_incremental.py's multi-process test (run by children.job in every
+process): three incremental saves of a frozen base and changing adapters, then a restore
+of the last onto another mesh."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from children.job import Job
+from children.multihost_checkpoints import check_shards, mesh_of
+
+RNG = np.random.default_rng(0)
+BASE = {
+    "w0": RNG.standard_normal((1024, 512), np.float32),  # 2 MiB: a piece a shard
+    "w1": RNG.standard_normal((1024, 512), np.float32),
+    "rep": RNG.standard_normal((1024, 512), np.float32),  # replicated over both processes
+}
+SPECS = {"w0": P("data", "model"), "w1": P("data", "model"), "rep": P()}
+
+
+def put(x, mesh, spec):
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+def save_three_then_restore(job: Job) -> dict:
+    directory = Path(job.args["dir"])
+    mesh = mesh_of((4, 2))
+    base = {k: put(v, mesh, SPECS[k]) for k, v in BASE.items()}
+    own = []
+    with jaxckpt.CheckpointManager(directory, incremental=True) as m:
+        for step in range(3):
+            adapter = put(np.full((64, 64), step, np.float32), mesh, P("data", "model"))
+            # step 1: the same arrays; step 2: new arrays of the same bytes
+            frozen = base if step < 2 else {k: v * 1.0 for k, v in base.items()}
+            m.save(step, state={"base": frozen, "adapter": adapter})
+            m.wait()
+            name = f"{job.process_id}-of-{job.num_processes}.bin"
+            own.append((directory / str(step) / "packed" / name).stat().st_size)
+        other = mesh_of((2, 4))
+        target = {
+            "base": {
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, SPECS[k]))
+                for k, v in BASE.items()
+            }
+        }
+        restored = m.restore(2, state=target, partial=True).state["base"]
+    for k, v in BASE.items():
+        check_shards(restored[k], v)
+        assert restored[k].sharding == target["base"][k].sharding
+    return {"own_bytes": own}

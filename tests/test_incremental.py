@@ -1,0 +1,206 @@
+"""Incremental steps (`incremental=True`, `jaxckpt._incremental`): a save writes only the
+pieces whose bytes changed since the newest committed step; restore, resharding, retention,
+verify and hostile indexes of steps that refer to earlier bytes.
+
+A fine-tune-like state: a frozen base of four 4 MiB leaves (sharded over the (4, 2) mesh:
+eight pieces each) and small adapters that change at every save."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from children import incremental_job
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from multihost import one_job_at_a_time, run_job
+
+import jaxckpt
+from conftest import run_python
+from jaxckpt.errors import ConfigError, CorruptCheckpointError
+
+BASE_BYTES = 4 * 4 * 2**20
+
+
+def _base(mesh):
+    rng = np.random.default_rng(0)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    return {
+        f"b{i}": jax.device_put(rng.standard_normal((1024, 1024), np.float32), sharding)
+        for i in range(4)
+    }
+
+
+def _adapters(mesh, step):
+    sharding = NamedSharding(mesh, P("data", "model"))
+    a = jnp.full((64, 64), float(step), jnp.float32)
+    return {"a": jax.device_put(a, sharding), "count": jnp.asarray(step)}
+
+
+def _own_bytes(ckpt_dir, step):
+    """The bytes of a step's own packed data files."""
+    folder = ckpt_dir / str(step) / "packed"
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".bin")
+
+
+def _shares(ckpt_dir, step):
+    return json.loads((ckpt_dir / str(step) / "jaxckpt" / "shares.json").read_text())["steps"]
+
+
+def _saved(mesh, ckpt_dir, steps=3, *, fresh_arrays=False, **kwargs):
+    base = _base(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True, **kwargs) as m:
+        for step in range(steps):
+            frozen = {k: v * 1.0 for k, v in base.items()} if fresh_arrays else base
+            m.save(step, state={"base": frozen, "adapters": _adapters(mesh, step)})
+            m.wait()
+    return base
+
+
+def _assert_bitwise(got, want):
+    for k, v in want.items():
+        assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
+@pytest.mark.parametrize("fresh_arrays", [False, True], ids=["same arrays", "same bytes"])
+def test_a_later_step_writes_only_what_changed(mesh, ckpt_dir, fresh_arrays):
+    # the same jax.Array objects (an NNX model's frozen Params), or new arrays of the same
+    # bytes (a Linen fine-tune whose optax.multi_transform zeroes the base's updates)
+    _saved(mesh, ckpt_dir, fresh_arrays=fresh_arrays)
+    assert _own_bytes(ckpt_dir, 0) > BASE_BYTES
+    for step in (1, 2):
+        assert _own_bytes(ckpt_dir, step) < 20_000  # the adapters: 16 KiB and a count
+        assert _shares(ckpt_dir, step) == [0]  # the base's bytes, where step 0 wrote them
+
+
+def test_a_changed_leaf_is_written_again(mesh, ckpt_dir):
+    base = _base(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(0, state={"base": base})
+        m.wait()
+        base = dict(base, b2=base["b2"].at[0, 0].add(1.0))  # one piece of one leaf changed
+        m.save(1, state={"base": base})
+        m.wait()
+        restored = m.restore(1, state={"base": base}).state["base"]
+    assert 512 * 1024 <= _own_bytes(ckpt_dir, 1) < 600_000  # that one piece (an eighth)
+    _assert_bitwise(restored, base)
+
+
+def test_a_step_sharing_bytes_restores_bitwise_in_a_fresh_process_on_another_mesh(mesh, ckpt_dir):
+    base = _saved(mesh, ckpt_dir)
+    np.savez(ckpt_dir.parent / "want.npz", **{k: np.asarray(v) for k, v in base.items()})
+    code = f"""
+import jax, numpy as np, jaxckpt
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_num_cpu_devices", 8)
+mesh = jax.make_mesh((2, 4), ("data", "model"))
+want = np.load({str(ckpt_dir.parent / "want.npz")!r})
+m = jaxckpt.CheckpointManager({str(ckpt_dir)!r}, read_only=True)
+target = {{k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype,
+           sharding=NamedSharding(mesh, P("data", "model"))) for k in want.files}}
+got = m.restore(2, state={{"base": target}}, partial=True).state["base"]
+assert all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want.files)
+assert got["b0"].sharding.mesh.shape == {{"data": 2, "model": 4}}
+print("bitwise")
+"""
+    assert "bitwise" in run_python("-c", code).stdout
+
+
+def test_retention_keeps_the_steps_a_kept_step_shares_bytes_with(mesh, ckpt_dir):
+    base = _saved(mesh, ckpt_dir, steps=5, retention=jaxckpt.RetentionPolicy(keep_last=2))
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        assert m.all_steps() == [3, 4]  # step 0 retired: out of the listing, kept
+        assert (ckpt_dir / "0").is_dir() and (ckpt_dir / "0.jaxckpt-retired").exists()
+        assert not (ckpt_dir / "1").exists()  # held no byte a kept step uses
+        _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
+        assert all(r.ok for r in jaxckpt.verify(ckpt_dir))
+        m.delete(3)
+        assert (ckpt_dir / "0").is_dir()  # step 4 still shares its bytes
+        m.delete(4)
+        m.close()
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".")) == []
+
+
+def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir)
+    index = json.loads((ckpt_dir / "0" / "packed" / "0-of-1.json").read_text())
+    at = index["leaves"]["state"]["base.b0"]["pieces"][0][0] + 1000  # in the base's bytes
+    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    reports = {r.step: r for r in jaxckpt.verify(ckpt_dir)}
+    assert "packed/0-of-1.bin: contents changed" in " ".join(reports[0].problems)
+    for step in (1, 2):
+        (problem,) = reports[step].problems
+        assert "shared with step 0" in problem and "0/packed/0-of-1.bin" in problem
+    with (
+        jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m,
+        pytest.raises(CorruptCheckpointError, match=r"0/packed/0-of-1\.bin"),
+    ):
+        m.restore(2)
+
+
+def _edit_index(ckpt_dir, step, edit):
+    path = ckpt_dir / str(step) / "packed" / "0-of-1.json"
+    doc = json.loads(path.read_text())
+    edit(doc["leaves"]["state"]["base.b0"]["pieces"][0])
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda p: p.__setitem__(3, 2), "not \\[offset"),  # a step not earlier than its own
+        (lambda p: p.__setitem__(4, "../../x.bin"), "not \\[offset"),  # out of the folder
+        (lambda p: p.__setitem__(4, "7-of-8.bin"), "is missing"),  # no such file there
+        (lambda p: p.__setitem__(0, 2**40), "fewer than"),  # past the file's end
+    ],
+    ids=["later step", "path", "absent file", "past the end"],
+)
+def test_a_hostile_reference_is_a_corrupt_checkpoint(mesh, ckpt_dir, edit, match):
+    _saved(mesh, ckpt_dir)
+    _edit_index(ckpt_dir, 2, edit)
+    with (
+        jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m,
+        pytest.raises(CorruptCheckpointError, match=match),
+    ):
+        m.restore(2)
+
+
+def test_a_first_save_after_restarting_writes_every_piece(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir, steps=1)
+    base = _base(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(1, state={"base": base, "adapters": _adapters(mesh, 1)})
+        m.wait()
+    assert _own_bytes(ckpt_dir, 1) > BASE_BYTES  # a new process has no base yet
+    assert _shares(ckpt_dir, 1) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"compression": "zstd"}, {"pack_small_leaves": False}], ids=["zstd", "unpacked"]
+)
+def test_incremental_takes_no_option_that_keeps_leaves_out_of_the_packed_files(ckpt_dir, kwargs):
+    with pytest.raises(ConfigError, match="incremental=True packs every leaf"):
+        jaxckpt.CheckpointManager(ckpt_dir, incremental=True, **kwargs)
+    assert not os.path.exists(ckpt_dir / "0")
+
+
+@one_job_at_a_time
+def test_two_processes_each_write_only_their_changed_pieces(tmp_path):
+    # each process decides for the pieces it writes (the replicated leaf's by one of them),
+    # with no collective; the last step restores onto another mesh, each process checking
+    # the shards it holds
+    results = run_job(
+        incremental_job.save_three_then_restore, processes=2, devices=4, args={"dir": str(tmp_path)}
+    )
+    own = [r.report()["own_bytes"] for r in results]
+    assert sum(o[0] for o in own) > 6 * 2**20  # step 0: the base's 6 MiB, between them
+    for later in (1, 2):
+        assert all(o[later] < 16_384 for o in own), own  # the adapter's 16 KiB, in halves
+    shares = json.loads((tmp_path / "2" / "jaxckpt" / "shares.json").read_text())
+    assert shares == {"steps": [0]}
