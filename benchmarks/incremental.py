@@ -45,7 +45,7 @@ from reliability import launch
 
 MIB = 2**20
 SAVES = 5
-TOOLS = ("jaxckpt", "orbax")
+TOOLS = ("jaxckpt", "jaxckpt incremental", "orbax")
 
 
 def folder_bytes(path: Path) -> int:
@@ -64,10 +64,10 @@ def worker(tool: str, scenario: str, directory: Path) -> dict:
 
     steps: list[dict] = []
     base = None
-    if tool == "jaxckpt":
+    if tool.startswith("jaxckpt"):
         import jaxckpt
 
-        mngr = jaxckpt.CheckpointManager(directory)
+        mngr = jaxckpt.CheckpointManager(directory, incremental=tool == "jaxckpt incremental")
         save = lambda step, state: mngr.save(step, state=state)  # noqa: E731
     else:
         import orbax.checkpoint as ocp
@@ -111,7 +111,7 @@ def restore_worker(tool: str, scenario: str, directory: Path, mesh: str) -> dict
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), saved
     )
     start = time.perf_counter()
-    if tool == "jaxckpt":
+    if tool.startswith("jaxckpt"):
         import jaxckpt
 
         with jaxckpt.CheckpointManager(directory, read_only=True) as m:
@@ -167,7 +167,7 @@ def main() -> int:
         for done in range(1, args.repeat + 1):
             for scenario in SCENARIOS:
                 for tool in TOOLS:  # the tools take turns
-                    directory = work / f"{tool}-{SCENARIOS.index(scenario)}"
+                    directory = work / f"{tool.replace(' ', '-')}-{SCENARIOS.index(scenario)}"
                     shutil.rmtree(directory, ignore_errors=True)
                     got = child("save", tool, scenario, str(directory))
                     for mesh in ("same", "(2, 4)"):

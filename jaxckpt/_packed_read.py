@@ -17,10 +17,11 @@ import jax
 import numpy as np
 from etils import epath
 
+from jaxckpt._internals import host_buffer
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
-from jaxckpt._tiling import check_held, check_tiling, overlaps, regions_of
+from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 _FORMATS = (1, INDEX_FORMAT, INCREMENTAL_FORMAT)
@@ -30,6 +31,7 @@ _PIECE_FORMS = {
     3: "[offset, [[start, stop], ...], xxh3-128(, owner step, file)]",
 }
 _DIGESTS = {2: re.compile("[0-9a-f]{16}"), 3: re.compile("[0-9a-f]{32}")}  # XXH3-64, -128
+Bounds = tuple[tuple[int, int], ...]
 _DATA_FILE = re.compile(r"(\d{1,9})-of-(\d{1,9})\.bin")  # a process's file (`packed_files`)
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 
@@ -261,7 +263,7 @@ class PackedStep:
             by_file.setdefault(p.source(), []).append(p)
         out: dict[Piece, np.ndarray] = {}
         merge = is_remote(self.folder)
-        for (owner, name, process), found in by_file.items():
+        for found in by_file.values():
             found.sort(key=lambda p: p.offset)
             runs: list[list[Piece]] = [[found[0]]]
             wanted = found[0].nbytes  # of the last run
@@ -276,12 +278,7 @@ class PackedStep:
                 else:
                     runs.append([p])
                     wanted = p.nbytes
-            if owner is None:
-                root, rel = self.folder, packed_files(process, self.processes)[0]
-                where, size = f"{PACKED}/{rel}", self._present.get(rel)
-            else:  # from the directory down, no link followed: never out of it
-                root, rel = self.directory, f"{owner}/{PACKED}/{name}"
-                where, size = rel, self._owner_files(owner).get(str(name))
+            root, rel, where, size = self._file_of(found[0])
             with self._open(root, rel, size=size) as f:
                 for run in runs:
                     start = run[0].offset
@@ -297,12 +294,85 @@ class PackedStep:
                         )
                     for p in run:
                         out[p] = view[p.offset - start : p.offset - start + p.nbytes]
-                        if p.digest and _digest(out[p].data, p.digest) != p.digest:
-                            raise ValueError(
-                                f"{where}: the {p.nbytes} bytes at byte {p.offset} do "
-                                "not match their checksum in the index (the file is damaged)"
-                            )
+                        _check(p, out[p].data, where)
         return out
+
+    def _file_of(self, piece: Piece) -> tuple[Any, str, str, int | None]:
+        """Where a piece's bytes are: (root, path there, name to print, size as listed)."""
+        if piece.owner is None:
+            rel = packed_files(piece.process, self.processes)[0]
+            return self.folder, rel, f"{PACKED}/{rel}", self._present.get(rel)
+        # from the directory down, no link followed: never out of it
+        rel = f"{piece.owner}/{PACKED}/{piece.file}"
+        return self.directory, rel, rel, self._owner_files(piece.owner).get(str(piece.file))
+
+    def read_sharded(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        """The leaves `requests` names, each onto its sharding, read shard by shard: each
+        of this process's distinct shards into a buffer of its own that becomes its
+        devices' (`_internals.host_buffer`: on CPU devices with no copy), a piece of the
+        same bounds read straight into it, others read one at a time and copied where they
+        overlap. Nothing of a leaf's size is assembled on the host."""
+        wanted = self.wanted(item, requests)
+        out = {}
+        for name, request in requests.items():
+            dtype, shape, _ = self._leaves[item][name]
+            sharding = request.sharding
+            assert sharding is not None  # (`_transfer._by_shard`: on devices)
+            placement = sharding.addressable_devices_indices_map(shape)
+            regions: dict[Bounds, np.ndarray] = {}
+            for index in placement.values():
+                bounds = bounds_of(index, shape)  # type: ignore[arg-type]
+                if bounds not in regions:
+                    regions[bounds] = host_buffer(tuple(b - a for a, b in bounds), dtype)
+            for piece in wanted[name]:
+                self._read_into(piece, dtype, regions)
+            arrays = [
+                jax.device_put(regions[bounds_of(index, shape)], device)  # type: ignore[arg-type]
+                for device, index in placement.items()
+            ]
+            out[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        return out
+
+    def _read_into(self, piece: Piece, dtype: np.dtype, regions: Mapping[Bounds, Any]) -> None:
+        """A piece's bytes into each region it overlaps: straight into one of its bounds."""
+        root, rel, where, size = self._file_of(piece)
+        exact = regions.get(piece.bounds)
+        blob = exact if exact is not None else np.empty(piece.nbytes, np.uint8)
+        view = blob.reshape(-1).view(np.uint8)
+        with self._open(root, rel, size=size) as f:
+            f.seek(piece.offset)
+            got = f.readinto(view.data)
+        if got != piece.nbytes:
+            raise ValueError(
+                f"{where} ends at byte {piece.offset + got}, before the piece its index "
+                f"places up to byte {piece.offset + piece.nbytes}"
+            )
+        _check(piece, view.data, where)
+        if exact is not None:
+            return
+        values = blob.view(dtype).reshape([b - a for a, b in piece.bounds])
+        for bounds, region in regions.items():
+            if (box := _intersection(piece.bounds, bounds)) is not None:
+                region[_within(box, bounds)] = values[_within(box, piece.bounds)]
+
+
+def _check(piece: Piece, data: Any, where: str) -> None:
+    """ValueError unless `data` (the piece's bytes) match the piece's digest."""
+    if piece.digest and _digest(data, piece.digest) != piece.digest:
+        raise ValueError(
+            f"{where}: the {piece.nbytes} bytes at byte {piece.offset} do "
+            "not match their checksum in the index (the file is damaged)"
+        )
+
+
+def _intersection(a: Bounds, b: Bounds) -> Bounds | None:
+    box = tuple((max(x, u), min(y, v)) for (x, y), (u, v) in zip(a, b, strict=True))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _within(box: Bounds, bounds: Bounds) -> tuple[slice, ...]:
+    """The index of `box` within an array holding the region `bounds`."""
+    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(box, bounds, strict=True))
 
 
 def _digest(data: Any, like: str) -> str:

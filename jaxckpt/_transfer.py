@@ -9,6 +9,7 @@ of the storage itself a RestoreError (of a store that did not answer, a StorageE
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from etils import epath
 from jaxckpt import _packed_read
 from jaxckpt._internals import put_batched
 from jaxckpt._layout import INFO_PATH
+from jaxckpt._packed import MAX_LEAF_BYTES
 from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
@@ -71,15 +73,31 @@ class PackedLayout:
         self._packed, self._step, self._directory = packed, step, directory
 
     def read(self, item: str, batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
+        # a leaf above MAX_LEAF_BYTES (an incremental step's: a piece a shard) is read
+        # shard by shard onto its devices, the others whole on the host and placed together
+        large = {n: r for n, r in batch.items() if _by_shard(r)}
+        rest = {n: r for n, r in batch.items() if n not in large}
         with (
             read_errors(self._step, item, self._directory),
             corrupt_if_not_jaxckpts(self._step, self._directory),
         ):
-            hosts = self._packed.read(item, batch)
-        return place(hosts, batch)
+            out = self._packed.read_sharded(item, large) if large else {}
+            hosts = self._packed.read(item, rest) if rest else {}
+        return out | place(hosts, rest)
 
     def packed_step(self, item: str) -> _packed_read.PackedStep:
         return self._packed
+
+
+def _by_shard(request: ReadRequest) -> bool:
+    """Whether a packed leaf is read shard by shard (`PackedStep.read_sharded`): one above
+    `_packed.MAX_LEAF_BYTES` (a piece a shard) placed on devices, of a dtype JAX keeps."""
+    dtype = np.dtype(request.dtype)
+    return (
+        request.sharding is not None
+        and math.prod(request.shape) * dtype.itemsize > MAX_LEAF_BYTES
+        and dtype == jax.dtypes.canonicalize_dtype(dtype)
+    )
 
 
 def place(hosts: Mapping[str, np.ndarray], requests: Mapping[str, ReadRequest]) -> dict:
