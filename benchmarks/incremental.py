@@ -14,7 +14,7 @@ each tool, each tool in a fresh process (the tools take turns, `--repeat` times)
 
 For each later save (2 to 5): the bytes the process wrote (`/proc/self/io` write_bytes:
 its background threads included) and the step folder's size, the time `save` blocked and
-until committed; the directory's size after five saves; then the last step restored in a
+until committed (each save after an `os.sync()`); the directory's size after five saves; then the last step restored in a
 fresh process onto the same mesh and onto (2, 4), compared bitwise. Medians, ranges.
 
 Targets (issue 53), frozen base: each later save writes <= 1.05x the changed bytes +
@@ -78,6 +78,7 @@ def worker(tool: str, scenario: str, directory: Path) -> dict:
         saved = state(step, scenario, base)
         base = saved["base"]
         jax.block_until_ready(saved)
+        os.sync()  # each save starts with no earlier save's writes still being flushed
         before = written_bytes()
         start = time.perf_counter()
         save(step, saved)

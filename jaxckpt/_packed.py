@@ -220,9 +220,9 @@ def to_host(
     happens here (`buffers(array)`: its addressable single-device arrays, in the order of
     `addressable_shards`; on CPU devices a copy shares their memory, which XLA then never
     donates). A jax.Array this process holds whole is one piece (assembled in the
-    background); of one spread over processes, and of
-    a NumPy leaf (the same on every process), what it is the `_writer` of. With `local`
-    (the local tier), every distinct shard this process holds, and every NumPy leaf.
+    background); of one spread over processes, and of a NumPy leaf (the same on every
+    process), what it is the `_writer` of. With `local` (the local tier), every distinct
+    shard this process holds, and every NumPy leaf.
     `same(item, name, value, bounds)`: whether the newest committed step saved this very
     array, with these pieces (an incremental save: they are not copied, that step holds
     them; large leaves are a piece a distinct shard, none assembled)."""

@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from children import incremental_job
+from click.testing import CliRunner
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from multihost import one_job_at_a_time, run_job
 
 import jaxckpt
 from conftest import run_python
+from jaxckpt.cli import main
 from jaxckpt.errors import ConfigError, CorruptCheckpointError
 
 BASE_BYTES = 4 * 4 * 2**20
@@ -123,6 +125,23 @@ def test_retention_keeps_the_steps_a_kept_step_shares_bytes_with(mesh, ckpt_dir)
     assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".")) == []
 
 
+def test_ls_shows_each_steps_own_bytes_what_it_shares_and_why_a_step_is_kept(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir, steps=4, retention=jaxckpt.RetentionPolicy(keep_last=2))
+    result = CliRunner().invoke(main, ["ls", "--json", "--verify", str(ckpt_dir)])
+    assert result.exit_code == 0, result.output
+    rows = {r["step"]: r for r in json.loads(result.output)["steps"]}
+    assert rows[0]["status"] == "retired: kept for step(s) 2, 3"
+    assert rows[0]["bytes"] > BASE_BYTES
+    for step in (2, 3):
+        assert rows[step]["status"] == "verified; shares bytes with step(s) 0"
+        assert rows[step]["shares"] == [0] and rows[step]["bytes"] < 64 * 1024
+    assert 1 not in rows  # deleted: it held no byte a kept step uses
+    result = CliRunner().invoke(main, ["rm", str(ckpt_dir), "2"])
+    assert result.exit_code == 0, result.output
+    assert "deleted step 2" in result.output  # no kept step shares its bytes
+    assert (ckpt_dir / "0").is_dir()  # step 3 still shares step 0's
+
+
 def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckpt_dir):
     _saved(mesh, ckpt_dir)
     index = json.loads((ckpt_dir / "0" / "packed" / "0-of-1.json").read_text())
@@ -204,3 +223,40 @@ def test_two_processes_each_write_only_their_changed_pieces(tmp_path):
         assert all(o[later] < 16_384 for o in own), own  # the adapter's 16 KiB, in halves
     shares = json.loads((tmp_path / "2" / "jaxckpt" / "shares.json").read_text())
     assert shares == {"steps": [0]}
+
+
+def test_the_orbax_export_of_a_step_sharing_bytes_stands_alone(mesh, ckpt_dir, tmp_path):
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    base = _saved(mesh, ckpt_dir)
+    out = tmp_path / "plain"
+    assert jaxckpt.export_orbax(ckpt_dir, out, step=2) == 2
+    shutil.rmtree(ckpt_dir)  # the steps it shared bytes with gone: the export holds them
+    target = {"base": base, "adapters": _adapters(mesh, 2)}
+    with ocp.StandardCheckpointer() as plain:
+        restored = plain.restore(out, target)
+    _assert_bitwise(restored["base"], base)
+
+
+def test_incremental_steps_on_object_storage(mesh, bucket_dir):
+    # each piece read from the object that holds it; a retired step is an object beside
+    # the step's objects, its objects kept; verify checks the shared pieces there too
+    from etils import epath
+
+    from jaxckpt._storage import file_sizes
+
+    base = _base(mesh)
+    policy = jaxckpt.RetentionPolicy(keep_last=2)
+    with jaxckpt.CheckpointManager(bucket_dir, incremental=True, retention=policy) as m:
+        for step in range(4):
+            m.save(step, state={"base": base, "adapters": _adapters(mesh, step)})
+            m.wait()
+        assert m.all_steps() == [2, 3]
+        _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
+    root = epath.Path(bucket_dir)
+    assert (root / "0.jaxckpt-retired").exists() and (root / "0" / "packed").exists()
+    sizes = file_sizes(root / "3" / "packed")
+    assert sum(n for name, n in sizes.items() if name.endswith(".bin")) < 20_000
+    assert all(r.ok for r in jaxckpt.verify(bucket_dir))

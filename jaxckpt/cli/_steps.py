@@ -35,9 +35,11 @@ from jaxckpt.errors import CorruptCheckpointError
 @click.option("--verify", "check", is_flag=True, help="Verify each step's checksums too.")
 @JSON_OPTION
 def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
-    """The steps of a checkpoint directory: time, size, status; the latest marked *."""
+    """The steps of a checkpoint directory: time, size, status; the latest marked *. An
+    incremental step's size is its own bytes; its status names the steps it shares bytes
+    with, and a retired step's the steps that keep it."""
     on_cpu()
-    from jaxckpt import _integrity, _layout
+    from jaxckpt import _incremental, _integrity, _layout
     from jaxckpt._plan import size_text
 
     rows = []
@@ -61,8 +63,14 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                     report = ckpt.verify(step, progress=update)[0]
                     status = "readable (not checksummed)" if report.ok else "UNREADABLE"
                 else:
-                    report = _integrity.verify_step(listing.folders[step], step, progress=update)
-                    status = "verified" if report.ok else "CORRUPT"
+                    folder = listing.folders[step]
+                    report = _integrity.verify_step(folder, step, progress=update)
+                    processes = infos[0].process_count or 1
+                    ok = report.ok and not _incremental.verify_shared(folder, processes)
+                    status = "verified" if ok else "CORRUPT"
+            shares = [] if orbax else sorted(_shares(listing.folders[step]))
+            if shares:
+                status += f"; shares bytes with step(s) {', '.join(map(str, shares))}"
             size, files = disk_usage(ckpt.folder(step))
             rows.append(
                 {
@@ -74,8 +82,14 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                     "leaves": sum(len(info.state) for info in infos),
                     "status": status,
                     "latest": step == listing.committed[-1],
+                    "shares": shares,
                 }
             )
+        for step in listing.retired:
+            users = [r["step"] for r in rows if step in r.get("shares", ())]
+            row = _status_row(step, f"retired: kept for step(s) {', '.join(map(str, users))}")
+            row["bytes"], row["files"] = disk_usage(listing.directory / str(step))
+            rows.append(row)
     for step in listing.uncommitted:
         status = "uncommitted (a save in progress or one that never finished)"
         rows.append(_status_row(step, status))
@@ -101,6 +115,16 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             for r in sorted(rows, key=lambda r: r["step"])
         ],
     )
+
+
+def _shares(folder) -> frozenset[int]:
+    """The steps a step shares bytes with (none where that cannot be read: verify says why)."""
+    from jaxckpt import _incremental
+
+    try:
+        return _incremental.read_shares(folder)
+    except (OSError, ValueError):
+        return frozenset()
 
 
 def _unreadable(listing) -> list[dict]:
@@ -274,10 +298,12 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     Refused while a training job (or another rm) holds the lock, and for the latest
     committed step unless --force: a job resuming from the directory would silently go back
     to an older step. The step leaves the listing at once (renamed, or tombstoned on gs://)
-    and its files are deleted before the command returns.
+    and its files are deleted before the command returns; a step whose bytes a kept
+    incremental step shares is retired instead: its files stay until no step shares them.
     """
     on_cpu()
     from jaxckpt import CheckpointManager, PreemptionPolicy
+    from jaxckpt._layout import RETIRED_SUFFIX
 
     need_dir(checkpoint_dir)
     # As the directory's writer (its lock held); closing waits for the files to go.
@@ -292,8 +318,13 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
             )
         m.delete(step)
         left = m.all_steps()
+        # kept, out of the listing: a step shares its bytes (`_incremental`)
+        retired = (m.directory / f"{step}{RETIRED_SUFFIX}").exists()
     if as_json:
-        print_json({"directory": checkpoint_dir, "deleted": step, "steps": left})
+        print_json(
+            {"directory": checkpoint_dir, "deleted": step, "retired": retired, "steps": left}
+        )
         return
     rest = ", ".join(map(str, left)) or "none"
-    say(f"deleted step {step} from {checkpoint_dir}; committed steps: {rest}")
+    done = "retired (its files stay: a kept step shares its bytes)" if retired else "deleted"
+    say(f"{done} step {step} from {checkpoint_dir}; committed steps: {rest}")
