@@ -110,6 +110,7 @@ class OrbaxStore:
         self._incremental = incremental
         self._sharing = _incremental.Sharing()  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
+        self._listed_whole = False  # whether `listed` holds every committed step
         # zstd saves ~7% of the bytes of float weights and halves the write rate
         # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
@@ -186,6 +187,7 @@ class OrbaxStore:
         self._read_steps = listing.read
         self._prefixed = listing.prefixed
         self._retired = listing.retired
+        self._listed_whole = not newest
         found = (*self.listed, *listing.committed) if newest else listing.committed
         self.listed = tuple(sorted(set(found)))
         return listing
@@ -501,6 +503,10 @@ class OrbaxStore:
         self.free_retired()
 
     def _own_listed(self) -> list[int]:
+        """Every committed step jaxckpt wrote: as listed, if the last `scan` was whole (a
+        newest-only one leaves older steps out, one of which may share a step's bytes)."""
+        if not self._listed_whole:
+            return self.own_steps()
         return [s for s in self.listed if not self.is_orbax(s)]
 
     def free_retired(self) -> None:

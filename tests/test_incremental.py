@@ -260,3 +260,17 @@ def test_incremental_steps_on_object_storage(mesh, bucket_dir):
     sizes = file_sizes(root / "3" / "packed")
     assert sum(n for name, n in sizes.items() if name.endswith(".bin")) < 20_000
     assert all(r.ok for r in jaxckpt.verify(bucket_dir))
+
+
+def test_a_fresh_manager_never_deletes_bytes_an_older_kept_step_shares(mesh, ckpt_dir):
+    # step 1 shares step 0's bytes; step 2, the first save of another process, shares none:
+    # a manager that only looked at the newest step must still find step 1 before deleting
+    _saved(mesh, ckpt_dir, steps=2)
+    base = _base(mesh)
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(2, state={"base": base, "adapters": _adapters(mesh, 2)})
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.delete(0)
+        assert m.all_steps() == [1, 2]
+        _assert_bitwise(m.restore(1, state={"base": base}, partial=True).state["base"], base)
+    assert (ckpt_dir / "0.jaxckpt-retired").exists()
