@@ -1,6 +1,6 @@
 """jaxckpt vs plain Orbax vs raw disk vs safetensors, side by side; writes BENCHMARKS.md.
 
-    python benchmarks/compare.py [--quick] [--runs 7] [--out BENCHMARKS.md]
+    python benchmarks/compare.py [--quick] [--runs 7] [--out BENCHMARKS.md] [--pages-only]
     python benchmarks/compare.py --gpu --out benchmarks/results/gpu.md   (an ~8 GiB state)
 
 Each state runs in a fresh process (`benchmarks/worker.py`) on 8 CPU devices, (4, 2) mesh
@@ -378,7 +378,17 @@ def main() -> int:
         "--gpu-leaf-side", type=int, default=6656, help="with --gpu: leaves are N x N float32"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument(
+        "--pages-only",
+        action="store_true",
+        help="keep --out's own tables and append the other benchmarks' pages anew (after "
+        "one of them is rerun, where nothing this script measures changed)",
+    )
     args = parser.parse_args()
+    if args.pages_only:
+        own = args.out.read_text().partition("\n## The other benchmarks\n")[0].splitlines()
+        args.out.write_text("\n".join(own + other_results(args.out.parent)))
+        return 0
     # 7 rounds: save blocking on the 1 GiB state is bimodal (~15 or ~30-60 ms, for Orbax
     # too), and 5 rounds put its median on either side.
     runs = args.runs or (3 if args.quick else 7)
