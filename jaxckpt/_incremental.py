@@ -185,7 +185,7 @@ def verify_shared(step_dir: epath.Path, processes: int) -> list[str]:
         return []
     try:
         packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes)
-        shared = [p for p in packed.pieces() if p.owner is not None]
+        shared = [p for p in packed.pieces() if p.owner not in (None, packed.step)]
     except (OSError, ValueError) as e:
         return [f"{_layout.PACKED}/: {e}"]
     problems: list[str] = []

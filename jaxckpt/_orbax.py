@@ -390,7 +390,7 @@ class OrbaxStore:
         gone (deleted since the base was saved): the step would never restore."""
         made = self._packed_handler.made
         if indexes:
-            shares = set(_incremental.shares_of(indexes))
+            shares = set(_incremental.shares_of(indexes)) - {step}
         else:
             shares = made.owners() - {step} if made is not None else set()
         gone = sorted(s for s in shares if not self.step_dir(s).is_dir())

@@ -32,7 +32,8 @@ _PIECE_FORMS = {
 }
 _DIGESTS = {2: re.compile("[0-9a-f]{16}"), 3: re.compile("[0-9a-f]{32}")}  # XXH3-64, -128
 Bounds = tuple[tuple[int, int], ...]
-_DATA_FILE = re.compile(r"(\d{1,9})-of-(\d{1,9})\.bin")  # a process's file (`packed_files`)
+# a process's data file: `packed_files`', or one more of an incremental step's (`_packed._Files`)
+_DATA_FILE = re.compile(r"(\d{1,9})-of-(\d{1,9})(\.\d{1,3})?\.bin")
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 
 
@@ -413,7 +414,7 @@ def _entry(
 
 def _split(piece: Any, version: int, step: int | None) -> tuple:
     """A piece of format 2 or 3 as ([offset, bounds], digest, owner, file); ([], ...) if
-    it is not one: a reference names an earlier step, and a process's file there."""
+    it is not one: a reference names this step or an earlier one, and a data file there."""
     nothing: tuple = ([], None, None, None)
     forms = (3, 5) if version >= INCREMENTAL_FORMAT else (3,)
     if type(piece) is not list or len(piece) not in forms:
@@ -424,7 +425,7 @@ def _split(piece: Any, version: int, step: int | None) -> tuple:
     if len(piece) == 3:
         return piece[:2], digest, None, None
     owner, file = piece[3], piece[4]
-    if type(owner) is not int or owner < 0 or (step is not None and owner >= step):
+    if type(owner) is not int or owner < 0 or (step is not None and owner > step):
         return nothing
     if type(file) is not str or not _DATA_FILE.fullmatch(file):
         return nothing

@@ -173,7 +173,7 @@ def _edit_index(ckpt_dir, step, edit):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda p: p.__setitem__(3, 2), "not \\[offset"),  # a step not earlier than its own
+        (lambda p: p.__setitem__(3, 3), "not \\[offset"),  # a step later than its own
         (lambda p: p.__setitem__(4, "../../x.bin"), "not \\[offset"),  # out of the folder
         (lambda p: p.__setitem__(4, "7-of-8.bin"), "is missing"),  # no such file there
         (lambda p: p.__setitem__(0, 2**40), "fewer than"),  # past the file's end
@@ -274,3 +274,27 @@ def test_a_fresh_manager_never_deletes_bytes_an_older_kept_step_shares(mesh, ckp
         assert m.all_steps() == [1, 2]
         _assert_bitwise(m.restore(1, state={"base": base}, partial=True).state["base"], base)
     assert (ckpt_dir / "0.jaxckpt-retired").exists()
+
+
+def test_a_large_step_spreads_its_pieces_over_files_written_at_once(mesh, ckpt_dir):
+    # 136 MiB of pieces: two data files (a new file's blocks are slow to come: several are
+    # written at once), each piece read back from the one that holds it
+    rng = np.random.default_rng(1)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    big = {
+        f"w{i}": jax.device_put(rng.standard_normal((4352, 2048), np.float32), sharding)
+        for i in range(4)
+    }
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(0, state=big)
+        m.wait()
+        m.save(1, state=dict(big, w3=big["w3"] + 1))  # one leaf changed
+        m.wait()
+        for step in (0, 1):
+            want = big if step == 0 else dict(big, w3=big["w3"] + 1)
+            _assert_bitwise(m.restore(step, state=want).state, want)
+    files = sorted(p.name for p in (ckpt_dir / "0" / "packed").glob("*.bin"))
+    assert files == ["0-of-1.1.bin", "0-of-1.bin"]
+    assert _shares(ckpt_dir, 1) == [0]
+    assert 34 * 2**20 <= _own_bytes(ckpt_dir, 1) < 35 * 2**20  # w3 alone
+    assert all(r.ok for r in jaxckpt.verify(ckpt_dir))
