@@ -24,10 +24,12 @@ Files are written in the save's background, inside the step's temporary folder, 
 commit and jaxckpt's manifest cover them.
 
 Format 3 (an incremental step, `jaxckpt._incremental`): every leaf is packed, each digest is
-an XXH3-128 (the manifest's hash), and a piece whose bytes the newest committed step already
-holds is not written again: its entry names where they are, `[offset, bounds, xxh3-128,
-owner step, file]`, the step whose packed folder holds them (always the one that wrote them:
-a reference never leads to another reference).
+an XXH3-128 (the manifest's hash), a process's pieces spread over up to MAX_FILES files
+(`<i>-of-<n>.bin`, `<i>-of-<n>.<k>.bin`), and a piece whose bytes the newest committed step
+already holds is not written again: its entry names where they are, `[offset, bounds,
+xxh3-128, owner step, file]`, the step whose packed folder holds them (always the one that
+wrote them: a reference never leads to another reference; a piece in another of the step's
+own files names the step itself).
 
 A reader trusts no claim of an index until it is checked against the index itself and the
 files' real sizes, before it allocates or reads anything of a leaf's size (an index may
