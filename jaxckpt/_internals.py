@@ -1,11 +1,12 @@
 """Every private Orbax or JAX name jaxckpt uses, and every text of theirs it reads that they
 do not promise, is here and nowhere else: tests/test_orbax_boundary.py fails by name when an
-upgrade removes one (the log texts are checked by tests/test_cli_messages.py, the text of
-JAX's coordination-service errors where a real process dies, in tests/test_multihost.py).
-Everything else talks to Orbax and JAX through their public API.
+upgrade removes one (the text of JAX's coordination-service errors where a real process
+dies is checked in tests/test_multihost.py). Everything else talks to Orbax and JAX
+through their public API; the messages Orbax logs that jaxckpt demotes are
+`_orbax_log`'s, which matches them only.
 
 In four parts: Orbax's manager and handlers as a save meets them; JAX's arrays (single-device
-buffers, batched placement, zero-copy host buffers); JAX's coordination service (key-value
+buffers, batched placement, zero-copy placement on CPU); JAX's coordination service (key-value
 store, barriers, counts); and Orbax's functions wrapped process-wide, all by `install()`,
 once, which `jaxckpt._orbax.OrbaxStore` alone calls (each wrap changes only what happens
 below jaxckpt's own directories, or nothing a caller can see).
@@ -17,8 +18,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import logging
-import mmap
 import re
 import socket
 import threading
@@ -30,8 +29,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-
-log = logging.getLogger("jaxckpt")
 
 # --- Orbax's saves ---------------------------------------------------------------------
 
@@ -128,33 +125,6 @@ def barrier_after_writes(
 # The alignment at which JAX's CPU client takes a host buffer as the device's own (zero
 # copy); at 16 (numpy's), it copies it (tests/test_orbax_boundary.py).
 CPU_ALIGNMENT = 64
-OWN_PAGES_BYTES = 2**20  # from this size a `host_buffer` is pages of its own
-
-
-def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array that JAX's CPU client takes as a device's own
-    buffer, with no copy. One of `OWN_PAGES_BYTES` or more is anonymous pages of its own,
-    unmapped when the array dies: never in the heap, where the freed buffers around it
-    could not go back to the system, and faulted in as plain pages (numpy asks the kernel
-    for huge pages for its large arrays, and here their faults compacted memory: a 1.5 GiB
-    restore onto 8 CPU devices took 2.9-3.4 s in such buffers, 1.8-1.9 s in these)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    private = getattr(mmap, "MAP_PRIVATE", None)
-    if nbytes < OWN_PAGES_BYTES or private is None:  # (page-aligned, below)
-        return aligned_empty(shape, dtype)
-    pages = mmap.mmap(-1, nbytes, flags=private | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(pages, dtype).reshape(shape)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array at a `CPU_ALIGNMENT`-byte address: placed on a
-    CPU device, it becomes that device's buffer with no copy."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + CPU_ALIGNMENT, np.uint8)
-    at = -raw.ctypes.data % CPU_ALIGNMENT
-    return raw[at : at + nbytes].view(dtype).reshape(shape)
 
 
 def device_buffers(array: jax.Array) -> list[jax.Array]:
@@ -360,7 +330,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    logging.getLogger("absl").addFilter(_demote_orbax_noise)
+    from jaxckpt import _orbax_log
+
+    _orbax_log.demote_noise()
     _checksums()
     _wakes()
     _object_kvstores()
@@ -372,37 +344,6 @@ def own(directory: epath.Path) -> None:
     """`directory` is one jaxckpt writes: arrays below it get per-chunk checksums, and a
     save's failed folder creation below it wakes its writers."""
     _OWN.add(str(directory).rstrip("/") + "/")
-
-
-# Orbax logs through absl's logger: two warnings for every read-only manager, and a
-# traceback per thread for a save that failed in the background, which jaxckpt raises
-# itself as SaveError by the next save/wait/close. These known messages go to the debug
-# log (`logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)` shows them); every
-# other Orbax message passes unchanged.
-_ORBAX_NOISE = re.compile(
-    r"CheckpointManagerOptions\.read_only=True, setting save_interval_steps=0"
-    r"|Given directory is read only="
-    r"|Failed to run \d+ Handler Commit operations or the Commit callback in background"
-    r"|_SignalingThread\.run\(\) raised an exception"
-    r"|Save Finalize thread \(\w+\) failed"
-    r"|Checkpointer failed: one or more items may not be finalized"
-)
-_orbax_debug_log = log.getChild("orbax")
-
-
-def _demote_orbax_noise(record: logging.LogRecord) -> bool:
-    """A filter on absl's logger: the known messages above are handed to jaxckpt.orbax's
-    handlers at DEBUG level (if enabled there) instead of absl's; all else passes."""
-    try:
-        noise = bool(_ORBAX_NOISE.search(record.getMessage()))
-    except Exception:  # a record whose arguments do not format: not ours to judge
-        return True
-    if not noise:
-        return True
-    if _orbax_debug_log.isEnabledFor(logging.DEBUG):
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        _orbax_debug_log.handle(record)
-    return False
 
 
 # jaxckpt's own persistent directories (`own`), below which Orbax writes arrays with a
@@ -547,6 +488,8 @@ def _object_kvstores() -> None:
     ever.)"""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
+    from jaxckpt._store_errors import gcs_to_s3, with_store_context
+
     build = tensorstore_utils.build_kvstore_tspec
 
     @functools.wraps(build)
@@ -554,41 +497,10 @@ def _object_kvstores() -> None:
         text = str(directory)
         if text.startswith("s3://"):
             spec = build(f"gs://{text.removeprefix('s3://')}", *args, **kwargs)
-            return _with_context(_gcs_to_s3(spec))
-        return _with_context(build(directory, *args, **kwargs))
+            return with_store_context(gcs_to_s3(spec))
+        return with_store_context(build(directory, *args, **kwargs))
 
     tensorstore_utils.build_kvstore_tspec = bounded
-
-
-def _gcs_to_s3(spec: Any) -> Any:
-    """A kvstore spec with each of its GCS drivers (`{"driver": "gcs", "bucket", "path"}`)
-    replaced by the s3 one of the same bucket and path."""
-    from jaxckpt._storage import s3_kvstore
-
-    if isinstance(spec, list):
-        return [_gcs_to_s3(s) for s in spec]
-    if not isinstance(spec, dict):
-        if isinstance(spec, str) and spec.startswith("gs://"):
-            raise ValueError(f"an Orbax kvstore spec names {spec!r}: no s3:// for it")
-        return spec
-    if spec.get("driver") in ("gcs", "gcs_grpc"):
-        return s3_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")
-    return {key: _gcs_to_s3(value) for key, value in spec.items()}
-
-
-def _with_context(spec: Any) -> Any:
-    """A kvstore spec with each gcs or s3 driver in it given the context of its attempts
-    (`_store_errors.tensorstore_context`; one the spec has already is kept)."""
-    from jaxckpt._store_errors import tensorstore_context
-
-    if isinstance(spec, list):
-        return [_with_context(s) for s in spec]
-    if not isinstance(spec, dict):
-        return spec
-    spec = {key: _with_context(value) for key, value in spec.items()}
-    if spec.get("driver") in ("gcs", "s3") and "context" not in spec:
-        spec["context"] = tensorstore_context("s3" if spec["driver"] == "s3" else "gs")
-    return spec
 
 
 def _aligned_reads() -> None:
@@ -602,6 +514,8 @@ def _aligned_reads() -> None:
     heap.) It reads as Orbax's does; a shard Orbax casts goes through Orbax's."""
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import serialization
+
+    from jaxckpt._memory import host_buffer
 
     read_shard = serialization._read_shard
 

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt._internals import host_buffer
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
+from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
@@ -310,7 +310,7 @@ class PackedStep:
     def read_sharded(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
         """The leaves `requests` names, each onto its sharding, read shard by shard: each
         of this process's distinct shards into a buffer of its own that becomes its
-        devices' (`_internals.host_buffer`: on CPU devices with no copy), a piece of the
+        devices' (`_memory.host_buffer`: on CPU devices with no copy), a piece of the
         same bounds read straight into it, others read one at a time and copied where they
         overlap. Nothing of a leaf's size is assembled on the host."""
         wanted = self.wanted(item, requests)

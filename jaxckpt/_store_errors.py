@@ -156,6 +156,35 @@ def tensorstore_context(protocol: str) -> dict[str, Any]:
 _set_here: dict[tuple[str, str], Any] = {}
 
 
+def gcs_to_s3(spec: Any) -> Any:
+    """A kvstore spec with each of its GCS drivers (`{"driver": "gcs", "bucket", "path"}`)
+    replaced by the s3 one of the same bucket and path."""
+    from jaxckpt._storage import s3_kvstore
+
+    if isinstance(spec, list):
+        return [gcs_to_s3(s) for s in spec]
+    if not isinstance(spec, dict):
+        if isinstance(spec, str) and spec.startswith("gs://"):
+            raise ValueError(f"an Orbax kvstore spec names {spec!r}: no s3:// for it")
+        return spec
+    if spec.get("driver") in ("gcs", "gcs_grpc"):
+        return s3_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")
+    return {key: gcs_to_s3(value) for key, value in spec.items()}
+
+
+def with_store_context(spec: Any) -> Any:
+    """A kvstore spec with each gcs or s3 driver in it given the context of its attempts
+    (`tensorstore_context`; one the spec has already is kept)."""
+    if isinstance(spec, list):
+        return [with_store_context(s) for s in spec]
+    if not isinstance(spec, dict):
+        return spec
+    spec = {key: with_store_context(value) for key, value in spec.items()}
+    if spec.get("driver") in ("gcs", "s3") and "context" not in spec:
+        spec["context"] = tensorstore_context("s3" if spec["driver"] == "s3" else "gs")
+    return spec
+
+
 def configure(url: Any) -> None:
     """Sets the clients of `url`'s store to the give-up time now: fsspec's (s3fs, gcsfs:
     epath's too) and tensorstore's curl, unless tensorstore made its transport before;

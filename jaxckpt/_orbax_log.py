@@ -1,0 +1,46 @@
+"""What Orbax logs that jaxckpt says better itself: demoted to jaxckpt's debug log.
+
+Orbax logs through absl's logger: two warnings for every read-only manager, and a
+traceback per thread for a save that failed in the background, which jaxckpt raises
+itself as SaveError by the next save/wait/close. These known messages go to the debug
+log (`logging.getLogger("jaxckpt.orbax").setLevel(logging.DEBUG)` shows them); every
+other Orbax message passes unchanged. The texts are Orbax's, not promised by it:
+tests/test_cli_messages.py fails when an upgrade changes one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+_ORBAX_NOISE = re.compile(
+    r"CheckpointManagerOptions\.read_only=True, setting save_interval_steps=0"
+    r"|Given directory is read only="
+    r"|Failed to run \d+ Handler Commit operations or the Commit callback in background"
+    r"|_SignalingThread\.run\(\) raised an exception"
+    r"|Save Finalize thread \(\w+\) failed"
+    r"|Checkpointer failed: one or more items may not be finalized"
+)
+_orbax_debug_log = logging.getLogger("jaxckpt.orbax")
+
+
+def demote_noise() -> None:
+    """Filters absl's logger (where Orbax logs) through `_demote`, once in the process."""
+    absl = logging.getLogger("absl")
+    if _demote not in absl.filters:
+        absl.addFilter(_demote)
+
+
+def _demote(record: logging.LogRecord) -> bool:
+    """A filter on absl's logger: the known messages above are handed to jaxckpt.orbax's
+    handlers at DEBUG level (if enabled there) instead of absl's; all else passes."""
+    try:
+        noise = bool(_ORBAX_NOISE.search(record.getMessage()))
+    except Exception:  # a record whose arguments do not format: not ours to judge
+        return True
+    if not noise:
+        return True
+    if _orbax_debug_log.isEnabledFor(logging.DEBUG):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        _orbax_debug_log.handle(record)
+    return False
