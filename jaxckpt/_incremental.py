@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -102,6 +103,42 @@ class SavedPieces:
 def empty(step: int) -> SavedPieces:
     """The base of a step that holds no piece (a first incremental save makes one)."""
     return SavedPieces(step, {}, {})
+
+
+def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> SavedPieces | None:
+    """The base of a save of step `saving` by a process with none (a restarted job, or its
+    base deleted): this process's pieces of the newest `committed` step before it, as its
+    own index lists them (their XXH3-128s and where their bytes are), and no arrays. The
+    save then writes only the pieces whose bytes changed since, found by their digests.
+    None (a full save) where there is no such step, it is not an incremental step this
+    process wrote in a job of as many processes, or its index or a file that index places
+    pieces in is not what jaxckpt writes."""
+    earlier = [s for s in committed if s < saving]
+    if not earlier:
+        return None
+    step, process, processes = max(earlier), jax.process_index(), jax.process_count()
+    step_dir = directory / str(step)
+    try:
+        packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes, parts=(process,))
+        leaves = list(packed.leaves())
+        every = [p for *_, pieces in leaves for p in pieces]
+        if not every or any(p.digest is None or len(p.digest) != 32 for p in every):
+            return None  # (not format 3: XXH3-64s, or none)
+        packed.check_sizes({p.source() for p in every})
+    except (OSError, ValueError) as e:
+        log.debug("step %d is no base for an incremental save: %s", step, e)
+        return None
+    own = _layout.packed_files(process, processes)[0]
+    found: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
+    for item, name, dtype, shape, pieces in leaves:
+        for p in pieces:
+            owner = step if p.owner is None else p.owner
+            found[(item, name, p.bounds)] = (
+                dtype,
+                shape,
+                [p.offset, p.digest, owner, p.file or own],
+            )
+    return SavedPieces(step, found, {})
 
 
 def shares_of(entries: Iterable[Mapping[str, Any]]) -> list[int]:

@@ -304,6 +304,8 @@ class OrbaxStore:
                 args[item] = ocp.args.PyTreeSave(
                     leaves, ocdbt_target_data_file_size=_orbax_items.data_file_bytes(leaves)
                 )
+        if self._incremental and self._packed_handler.base is None:  # (a restarted job's)
+            self._packed_handler.base = _incremental.seeded(self.directory, self.listed, step)
         if any(small.values()):
             incremental = step if self._incremental else None
             args[_layout.PACKED] = _orbax_items.PackedSave(small, incremental)

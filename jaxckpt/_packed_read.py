@@ -10,7 +10,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -212,7 +212,13 @@ class PackedStep:
 
     def pieces(self) -> list[Piece]:
         """Every piece of every leaf the indexes list."""
-        return [p for leaves in self._leaves.values() for *_, ps in leaves.values() for p in ps]
+        return [p for *_, ps in self.leaves() for p in ps]
+
+    def leaves(self) -> Iterator[tuple[str, str, np.dtype, tuple[int, ...], list[Piece]]]:
+        """Every leaf the indexes list: its item, name, dtype, shape and pieces."""
+        for item, leaves in self._leaves.items():
+            for name, (dtype, shape, pieces) in leaves.items():
+                yield item, name, dtype, shape, pieces
 
     def check_sizes(self, sources: Iterable[tuple]) -> None:
         """`_check_sizes` of these files (`Piece.source`) not checked yet."""

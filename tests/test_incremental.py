@@ -190,13 +190,42 @@ def test_a_hostile_reference_is_a_corrupt_checkpoint(mesh, ckpt_dir, edit, match
         m.restore(2)
 
 
-def test_a_first_save_after_restarting_writes_every_piece(mesh, ckpt_dir):
-    _saved(mesh, ckpt_dir, steps=1)
-    base = _base(mesh)
+def test_a_restarted_job_writes_only_what_changed_since_the_newest_step(mesh, ckpt_dir):
+    # a new process has no arrays of the last save: its base is its own index of the newest
+    # committed step, and equal bytes are found by their XXH3-128s
+    _saved(mesh, ckpt_dir, steps=2)
+    base = _base(mesh)  # new arrays, the same bytes
     with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
-        m.save(1, state={"base": base, "adapters": _adapters(mesh, 1)})
+        m.save(2, state={"base": base, "adapters": _adapters(mesh, 2)})
         m.wait()
-    assert _own_bytes(ckpt_dir, 1) > BASE_BYTES  # a new process has no base yet
+    assert _own_bytes(ckpt_dir, 2) < 2**20
+    assert _shares(ckpt_dir, 2) == [0]
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+        got = m.restore(2)
+    _assert_bitwise(got.state["base"], base)
+    _assert_bitwise(got.state["adapters"], _adapters(mesh, 2))
+
+
+def _restarted_save_bytes(mesh, ckpt_dir):
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(1, state={"base": _base(mesh), "adapters": _adapters(mesh, 1)})
+        m.wait()
+    return _own_bytes(ckpt_dir, 1)
+
+
+def test_a_restarted_job_after_a_full_step_writes_every_piece(mesh, ckpt_dir):
+    with jaxckpt.CheckpointManager(ckpt_dir) as m:  # format 2: XXH3-64s, no base
+        m.save(0, state={"base": _base(mesh), "adapters": _adapters(mesh, 0)})
+        m.wait()
+    assert _restarted_save_bytes(mesh, ckpt_dir) > BASE_BYTES
+    assert _shares(ckpt_dir, 1) == []
+
+
+def test_a_restarted_job_never_refers_to_a_file_shorter_than_its_index_says(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir, steps=1)
+    data = ckpt_dir / "0" / "packed" / "0-of-1.bin"
+    os.truncate(data, data.stat().st_size - 1)
+    assert _restarted_save_bytes(mesh, ckpt_dir) > BASE_BYTES
     assert _shares(ckpt_dir, 1) == []
 
 
@@ -212,17 +241,19 @@ def test_incremental_takes_no_option_that_keeps_leaves_out_of_the_packed_files(c
 @one_job_at_a_time
 def test_two_processes_each_write_only_their_changed_pieces(tmp_path):
     # each process decides for the pieces it writes (the replicated leaf's by one of them),
-    # with no collective; the last step restores onto another mesh, each process checking
+    # with no collective, after a restart too; the last step restores onto another mesh, each process checking
     # the shards it holds
     results = run_job(
         incremental_job.save_three_then_restore, processes=2, devices=4, args={"dir": str(tmp_path)}
     )
     own = [r.report()["own_bytes"] for r in results]
     assert sum(o[0] for o in own) > 6 * 2**20  # step 0: the base's 6 MiB, between them
-    for later in (1, 2):
+    # step 3 by new managers (no base in memory): from each process's own index of step 2
+    for later in (1, 2, 3):
         assert all(o[later] < 16_384 for o in own), own  # the adapter's 16 KiB, in halves
-    shares = json.loads((tmp_path / "2" / "jaxckpt" / "shares.json").read_text())
-    assert shares == {"steps": [0]}
+    for step in (2, 3):
+        shares = json.loads((tmp_path / str(step) / "jaxckpt" / "shares.json").read_text())
+        assert shares == {"steps": [0]}
 
 
 def test_the_orbax_export_of_a_step_sharing_bytes_stands_alone(mesh, ckpt_dir, tmp_path):

@@ -1,6 +1,6 @@
 """The job of tests/test_incremental.py's multi-process test (run by children.job in every
-process): three incremental saves of a frozen base and changing adapters, then a restore
-of the last onto another mesh."""
+process): three incremental saves of a frozen base and changing adapters, a fourth by a new
+manager (a restarted job: no base in memory), then a restore of the last onto another mesh."""
 
 from pathlib import Path
 
@@ -40,6 +40,12 @@ def save_three_then_restore(job: Job) -> dict:
             m.wait()
             name = f"{job.process_id}-of-{job.num_processes}.bin"
             own.append((directory / str(step) / "packed" / name).stat().st_size)
+    with jaxckpt.CheckpointManager(directory, incremental=True) as m:
+        frozen = {k: put(v, mesh, SPECS[k]) for k, v in BASE.items()}
+        adapter = put(np.full((64, 64), 3, np.float32), mesh, P("data", "model"))
+        m.save(3, state={"base": frozen, "adapter": adapter})
+        m.wait()
+        own.append((directory / "3" / "packed" / name).stat().st_size)
         other = mesh_of((2, 4))
         target = {
             "base": {
@@ -47,7 +53,7 @@ def save_three_then_restore(job: Job) -> dict:
                 for k, v in BASE.items()
             }
         }
-        restored = m.restore(2, state=target, partial=True).state["base"]
+        restored = m.restore(3, state=target, partial=True).state["base"]
     for k, v in BASE.items():
         check_shards(restored[k], v)
         assert restored[k].sharding == target["base"][k].sharding
