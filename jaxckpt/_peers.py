@@ -17,14 +17,18 @@ collective when the manager is made; a key never goes over TCP. A connection car
 request; a header is a 4-byte length, then JSON:
 
     listener -> {"challenge": <32 random hex digits, this connection's own>}
-    client   -> {op, owner, step, [files], mac}
+    client   -> {op, owner, step, [files], [delta], mac}
                 mac: HMAC-SHA256 with the listener's key over the challenge, a newline and
                 the request without `mac` (JSON, keys sorted, no spaces)
-    put:  -> {"ok": true} (send) or {"ok": false, error}; then the files' bytes
+    put:  -> {"ok": true, "delta": bool} (send) or {"ok": false, error}; then the files'
+             bytes: only the blocks `delta` names if the listener said so, else all
           -> {"ok": true} once the copy is written, checked and in place, or {"ok": false, error}
     get:  -> {"ok": true, files} + the files' bytes, or {"ok": false, error}
 
-`files` is [[rel, size, xxh3_128], ...]; every file is checked against it as it arrives. A
+`files` is [[rel, size, xxh3_128], ...]; every file is checked against it as it arrives.
+`delta` ({base, block, send}: `jaxckpt._peer_files`) names the blocks of each file that
+changed since step `base`, the last part this holder took from this process; the holder
+takes the others from its copy of `base`, if it keeps it still. A
 request whose mac does not match is refused: without the key none can be made, and a
 captured one cannot be replayed (another connection, another challenge). Not covered: the
 traffic is not encrypted, and what follows a request's header is checked by xxh3 (against
@@ -55,14 +59,21 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import xxhash
-
-from jaxckpt import _agree, _integrity
+from jaxckpt import _agree
+from jaxckpt._peer_files import (
+    BLOCK_BYTES,
+    PeerError,
+    changed,
+    checked_delta,
+    checked_files,
+    files_of,
+    receive_files,
+    send_file,
+)
 from jaxckpt._replicas import REPLICAS, TMP_SUFFIX, discard, drop_copies, fsync_folder, steps_in
 from jaxckpt._replicas import folder as _folder
-from jaxckpt._storage import open_inside
 
 log = logging.getLogger("jaxckpt")
 
@@ -71,10 +82,6 @@ _MAX_FILES = 4096
 _CHUNK = 8 * 2**20
 _ADDRESS_BYTES = 256
 _REL = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
-
-
-class PeerError(Exception):
-    """A transfer with a peer failed (its message says which and why)."""
 
 
 class _Silent(PeerError):
@@ -125,6 +132,7 @@ class Peers:
         self._lock = threading.Lock()  # the copies' folders, and who put what since start:
         self._fresh: set[tuple[int, int]] = set()  # (owner, step)
         self._open: set[socket.socket] = set()  # the connections of put and get, for close
+        self._sent: dict[int, tuple[int, dict]] = {}  # each holder's last part: step, blocks
         port = self._server.getsockname()[1]
         self.addresses = _exchange(f"{address} {port} {self._key.hex()} {socket.gethostname()}")
         self._listener = threading.Thread(target=self._listen, name="jaxckpt-peers", daemon=True)
@@ -155,21 +163,30 @@ class Peers:
 
     def put(self, peer: int, owner: int, step: int, rel: str) -> None:
         """Sends the part in `root/<rel>` to `peer`, which keeps it as its copy of `owner`'s
-        part of `step` (PeerError; OSError if the part cannot be read here)."""
+        part of `step` (PeerError; OSError if the part cannot be read here): only the blocks
+        that changed since the last part `peer` took, if it still keeps that copy."""
         with _folder(self.root, rel) as folder:
-            files = _files(folder)
+            files, blocks = files_of(folder)
+            last = self._sent.pop(peer, None)  # (until this one is in place)
+            send = None
+            if last is not None and last[0] < step:
+                base, send = last[0], changed(last[1], blocks)
             with self._connect(peer) as conn:
                 request = {"op": "put", "owner": owner, "step": step, "files": files}
+                if send is not None:
+                    request["delta"] = {"base": base, "block": BLOCK_BYTES, "send": send}
                 self._request(conn, peer, request)
                 reply = _read_header(conn)
                 if reply.get("ok"):
+                    ranges = send if reply.get("delta") and send is not None else {}
                     for name, size, _ in files:
-                        _send_file(conn, folder, name, size)
+                        send_file(conn, folder, name, size, ranges.get(name))
                     reply = _read_header(conn)
         if not reply.get("ok"):
             raise PeerError(
                 f"{self.where(peer)} refused the copy of step {step}: {reply.get('error')}"
             )
+        self._sent[peer] = (step, blocks)
 
     def get(self, peer: int, owner: int, step: int, name: str) -> None:
         """Receives `owner`'s part of `step` from `peer` into the new folder `root/<name>`,
@@ -182,11 +199,11 @@ class Peers:
                     f"{self.where(peer)} has no copy of process {owner}'s step {step}: "
                     f"{reply.get('error')}"
                 )
-            files = _checked_files(reply.get("files"))
+            files = checked_files(reply.get("files"))
             with _folder(self.root, "") as root:
                 os.mkdir(root / name)
                 with _folder(root, name) as dest:
-                    _receive_files(conn, dest, files)
+                    receive_files(conn, dest, files)
 
     def _request(self, conn: socket.socket, peer: int, request: dict) -> None:
         challenge = _read_header(conn).get("challenge")
@@ -258,7 +275,10 @@ class Peers:
                     raise PeerError("a request without an owner and a step")
                 if request.get("op") == "put":
                     try:
-                        self._take(conn, owner, step, _checked_files(request.get("files")))
+                        files = checked_files(request.get("files"))
+                        delta = request.get("delta")
+                        delta = None if delta is None else checked_delta(delta, files, step)
+                        self._take(conn, owner, step, files, delta)
                     finally:
                         self._tried(owner, step)
                     _send_header(conn, {"ok": True})
@@ -273,17 +293,34 @@ class Peers:
                 with contextlib.suppress(OSError):  # the peer may be gone already
                     _send_header(conn, {"ok": False, "error": str(e)[:500]})
 
-    def _take(self, conn: socket.socket, owner: int, step: int, files: list) -> None:
+    def _take(
+        self, conn: socket.socket, owner: int, step: int, files: list, delta: tuple | None
+    ) -> None:
         with _folder(self.root, f"{REPLICAS}/{owner}", create=True) as at:
             with self._lock:
                 self._refuse_rollback(at, owner, step)
             tmp = f"{step}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+            base = None  # the copy the delta's kept blocks come from, if it is still here
+            if delta is not None and os.path.isdir(at / str(delta[0])):
+                base = str(delta[0])
             try:
                 os.mkdir(at / tmp)
-                _send_header(conn, {"ok": True})  # send the files
-                with _folder(at, tmp) as dest:
-                    _receive_files(conn, dest, files)
+                _send_header(conn, {"ok": True, "delta": base is not None})  # send the files
+                with _folder(at, tmp) as dest, _folder(at, base or "") as earlier:
+                    if base is None or delta is None:
+                        received = receive_files(conn, dest, files)
+                    else:
+                        received = receive_files(conn, dest, files, earlier, delta[2])
                     self._check(owner, step, dest)
+                log.debug(
+                    "local tier: process %d's step %d: %d of its %d bytes received, the "
+                    "rest kept from its step %s",
+                    owner,
+                    step,
+                    received,
+                    sum(size for _, size, _ in files),
+                    base,
+                )
                 with self._lock:
                     self._refuse_rollback(at, owner, step)
                     if os.path.lexists(at / str(step)):
@@ -310,10 +347,10 @@ class Peers:
     def _give(self, conn: socket.socket, owner: int, step: int) -> None:
         try:
             with _folder(self.root, f"{REPLICAS}/{owner}/{step}") as folder:
-                files = _files(folder)
+                files, _ = files_of(folder)
                 _send_header(conn, {"ok": True, "files": files})
                 for rel, size, _ in files:
-                    _send_file(conn, folder, rel, size)
+                    send_file(conn, folder, rel, size)
         except FileNotFoundError:
             _send_header(conn, {"ok": False, "error": "no such copy here"})
 
@@ -358,41 +395,6 @@ def _mac(key: bytes, challenge: str, request: dict) -> str:
 # --- the wire -----------------------------------------------------------------------------
 
 
-def _files(folder: Path) -> list[list]:
-    """Every file below `folder`: [rel, size, xxh3_128 hex] each, sorted; PeerError at a
-    link or a special file."""
-    out, stack = [], [""]
-    while stack:
-        below = stack.pop()
-        with os.scandir(folder / below) as entries:
-            for entry in entries:
-                rel = f"{below}/{entry.name}" if below else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(rel)
-                elif entry.is_file(follow_symlinks=False):
-                    out.append([rel, *_integrity.digest(folder, rel)])
-                else:
-                    raise PeerError(f"{rel} is a link or a special file: it is never sent")
-    return sorted(out)
-
-
-def _checked_files(files: Any) -> list[tuple[str, int, str]]:
-    """A peer's list of files, refused unless every path stays inside the folder."""
-    if not isinstance(files, list) or len(files) > _MAX_FILES:
-        raise PeerError("a list of files that is not one")
-    out = []
-    for entry in files:
-        if not (isinstance(entry, list) and len(entry) == 3):
-            raise PeerError("a file entry that is not [path, size, hash]")
-        rel, size, digest = entry
-        if not (isinstance(rel, str) and _REL.fullmatch(rel) and ".." not in rel.split("/")):
-            raise PeerError(f"a file path outside the folder: {str(rel)[:100]!r}")
-        if not (type(size) is int and size >= 0 and isinstance(digest, str)):
-            raise PeerError(f"{rel}: a size or hash that is not one")
-        out.append((rel, size, digest))
-    return out
-
-
 def _send_header(conn: socket.socket, doc: dict) -> None:
     raw = json.dumps(doc).encode()
     conn.sendall(struct.pack(">I", len(raw)) + raw)
@@ -418,33 +420,3 @@ def _read_exactly(conn: socket.socket, size: int) -> bytes:
             raise PeerError(f"the peer closed the connection after {len(buf)} of {size} bytes")
         buf += chunk
     return bytes(buf)
-
-
-def _send_file(conn: socket.socket, folder: Path, rel: str, size: int) -> None:
-    with open_inside(folder, rel) as f:
-        sent = conn.sendfile(f, 0, size)
-    if sent != size:
-        raise PeerError(f"{rel} changed while it was sent ({sent} of {size} bytes)")
-
-
-def _receive_files(conn: socket.socket, dest: Path, files: list) -> None:
-    """The files' bytes from `conn` into the empty folder `dest`, each checked and fsynced;
-    no link followed (a file or folder there already is an error)."""
-    for rel, size, digest in files:
-        below, _, name = rel.rpartition("/")
-        with _folder(dest, below, create=True) as at:
-            h, left = xxhash.xxh3_128(), size
-            fd = os.open(at / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with open(fd, "wb") as f:
-                while left:
-                    chunk = conn.recv(min(left, _CHUNK))
-                    if not chunk:
-                        raise PeerError(f"the peer closed the connection during {rel}")
-                    h.update(chunk)
-                    f.write(chunk)
-                    left -= len(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_folder(at)
-        if h.hexdigest() != digest:
-            raise PeerError(f"{rel} arrived changed (checksum mismatch)")

@@ -51,3 +51,18 @@ def test_a_link_in_a_local_directory_is_never_followed(tmp_path):
     assert (tmp_path / "local-0" / "replicas" / "1").is_symlink()
     assert "is a link" in results[0].stderr, results[0].stderr[-3000:]
     assert "no copy of step 14: process 0" in results[1].stderr, results[1].stderr[-3000:]
+
+
+def test_a_copy_sends_only_the_blocks_that_changed_since_the_last(tmp_path):
+    """A state whose 2 MiB leaf is frozen: each process's later parts reach its peer as the
+    blocks that changed, the rest kept from the peer's copy of the step before."""
+    results = run_job(job.frozen, processes=2, devices=4, args=_args(tmp_path), timeout=240)
+    for result in results:
+        report = result.report()
+        assert report["latest"] == 6
+        taken = {step: (received, total) for step, received, total in report["taken"]}
+        assert sorted(taken) == [2, 4, 6], taken
+        assert taken[2][0] == taken[2][1] > 2**20  # the first copy: every byte of the part
+        for step in (4, 6):
+            received, total = taken[step]
+            assert received < total / 4, taken  # `big`'s 1 MiB a process never resent

@@ -11,9 +11,11 @@ import socket
 import struct
 import threading
 
+import numpy as np
 import pytest
+import xxhash
 
-from jaxckpt import _peers, _replicas
+from jaxckpt import _peer_files, _peers, _replicas
 
 
 @pytest.fixture
@@ -282,3 +284,110 @@ def test_a_header_too_big_or_not_json_closes_the_connection_only(peer):
     _part(peer.root / "2")  # the listener still serves
     peer.put(0, 1, 2, "2")
     assert peer.checked == [(1, 2)]
+
+
+# --- a later part: only the blocks that changed -------------------------------------------
+
+BLOCK = _peer_files.BLOCK_BYTES
+
+
+def _big_part(folder, changed_at=()):
+    """A part of 16 blocks of random bytes (the same every time), with bytes changed at
+    these offsets."""
+    data = bytearray(np.random.default_rng(0).bytes(16 * BLOCK))
+    for at in changed_at:
+        data[at] ^= 0xFF
+    (folder / "packed").mkdir(parents=True)
+    (folder / "packed" / "0-of-1.bin").write_bytes(bytes(data))
+    (folder / "data.json").write_text(json.dumps({"changed": list(changed_at)}))
+    return folder
+
+
+def _relayed(peer):
+    host, port, key, machine = peer.addresses[0]
+    relay = _Relay((host, port))
+    peer.addresses[0] = _peers.Address("127.0.0.1", relay.port, key, machine)
+    return relay
+
+
+def _same(peer, owner, step):
+    copy = peer.root / "replicas" / str(owner) / str(step)
+    for rel in ("packed/0-of-1.bin", "data.json"):
+        assert (copy / rel).read_bytes() == (peer.root / str(step) / rel).read_bytes(), rel
+
+
+def test_a_later_part_sends_only_the_blocks_that_changed(peer):
+    relay = _relayed(peer)
+    _big_part(peer.root / "2")
+    peer.put(0, 1, 2, "2")
+    _big_part(peer.root / "4", changed_at=[3 * BLOCK + 5, 9 * BLOCK])
+    peer.put(0, 1, 4, "4")
+    _same(peer, 1, 4)
+    first, later = (len(sent) for sent in relay.sent)
+    assert first > 16 * BLOCK
+    assert later < 2 * BLOCK + 4096  # two blocks, the small file and the headers
+    assert _replicas.copies(peer.root) == {1: [2, 4]}
+
+
+def test_a_holder_that_no_longer_keeps_the_earlier_copy_takes_whole_files(peer):
+    relay = _relayed(peer)
+    _big_part(peer.root / "2")
+    peer.put(0, 1, 2, "2")
+    _replicas.discard(peer.root / "replicas" / "1" / "2")
+    _big_part(peer.root / "4", changed_at=[5])
+    peer.put(0, 1, 4, "4")
+    _same(peer, 1, 4)
+    assert len(relay.sent[1]) > 16 * BLOCK
+
+
+def test_a_damaged_earlier_copy_fails_the_later_one_and_the_next_goes_whole(peer):
+    _big_part(peer.root / "2")
+    peer.put(0, 1, 2, "2")
+    kept = peer.root / "replicas" / "1" / "2" / "packed" / "0-of-1.bin"
+    damaged = bytearray(kept.read_bytes())
+    damaged[7 * BLOCK] ^= 1
+    kept.write_bytes(bytes(damaged))
+    _big_part(peer.root / "4", changed_at=[5])
+    with pytest.raises(_peers.PeerError, match="checksum mismatch"):
+        peer.put(0, 1, 4, "4")
+    assert _replicas.copies(peer.root) == {1: [2]}
+    _big_part(peer.root / "6", changed_at=[5])
+    peer.put(0, 1, 6, "6")
+    _same(peer, 1, 6)
+
+
+def _files_of(*parts):
+    files = [[rel, len(raw), xxhash.xxh3_128_hexdigest(raw)] for rel, raw in parts]
+    return files, b"".join(raw for _, raw in parts)
+
+
+@pytest.mark.parametrize(
+    "delta, error",
+    [
+        ({"base": 7, "block": BLOCK, "send": {"x.bin": []}}, "not one before 7"),
+        ({"base": 1, "block": 4096, "send": {"x.bin": []}}, "blocks of 4096 bytes"),
+        ({"base": 1, "block": BLOCK, "send": {}}, "each file's blocks"),
+        ({"base": 1, "block": BLOCK, "send": {"x.bin": [[0, 2]]}}, "past its"),
+        ({"base": 1, "block": BLOCK, "send": {"x.bin": [[1, 1]]}}, "out of order"),
+        ({"base": 1, "block": BLOCK, "send": {"x.bin": [["0", 1]]}}, "not ranges"),
+        ({"base": 1, "block": BLOCK, "send": {"x.bin": []}}, "checksum mismatch"),
+        ({"base": 1, "block": BLOCK, "send": {"x.bin": "all"}}, "not ranges"),
+    ],
+)
+def test_a_hostile_delta_is_refused(peer, delta, error):
+    _big_part(peer.root / "replicas" / "0" / "1")
+    (peer.root / "replicas" / "0" / "1" / "x.bin").write_bytes(b"abce")  # kept: not "abcd"
+    files, _ = _files_of(("x.bin", b"abcd"))  # (no byte sent: each is refused before)
+    reply = _raw(peer, {"op": "put", "owner": 0, "step": 7, "files": files, "delta": delta})
+    assert reply["ok"] is False and error in reply["error"], reply
+    assert _replicas.copies(peer.root) == {0: [1]} and peer.checked == []
+
+
+def test_a_delta_keeps_no_block_from_outside_the_earlier_copy(peer, tmp_path):
+    at = peer.root / "replicas" / "0"
+    at.mkdir(parents=True)
+    (at / "1").symlink_to(_outside(tmp_path) / "5")  # the base: a link
+    files, _ = _files_of(("data.json", b'{"position": 3}'))
+    delta = {"base": 1, "block": BLOCK, "send": {"data.json": []}}  # every block kept
+    reply = _raw(peer, {"op": "put", "owner": 0, "step": 7, "files": files, "delta": delta})
+    assert reply["ok"] is False and peer.checked == []
