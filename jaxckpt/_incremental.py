@@ -4,9 +4,9 @@ of which steps a step shares bytes with, and of which steps must stay on disk fo
 
 A step saved with `incremental=True` packs every leaf (format 3, `jaxckpt._packed`): each
 piece (a distinct shard of a leaf, or a small leaf whole) with the XXH3-128 of its bytes.
-A piece of the new step is the base's piece, and is not written, when the base (the newest
-committed step this process saved) holds a piece of the same leaf, dtype, shape and bounds
-and either
+A piece of a leaf of more than 1 MiB (`shareable`: a smaller leaf is written at every save)
+is the base's piece, and is not written, when the base (the newest committed step this
+process saved) holds a piece of the same leaf, dtype, shape and bounds and either
 
 - the leaf is the very `jax.Array` object the base saved (arrays are immutable: exact, and
   nothing is copied off the devices nor hashed), or
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,7 +36,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt import _layout, _packed_read
+from jaxckpt import _layout, _packed, _packed_read
 from jaxckpt._storage import file_sizes, read_small
 
 log = logging.getLogger("jaxckpt")
@@ -87,8 +88,10 @@ class SavedPieces:
         pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
         arrays: dict[tuple[str, str], weakref.ref] = {}
         for item, name, dtype, shape, bounds_list, value in leaves:
-            for bounds in bounds_list:
-                entry = next(found)
+            entries = [next(found) for _ in bounds_list]
+            if not shareable(dtype, shape):
+                continue
+            for bounds, entry in zip(bounds_list, entries, strict=True):
                 where = entry if len(entry) == 4 else [*entry, step, data_file]
                 pieces[(item, name, bounds)] = (dtype, shape, where)
             if value is not None:
@@ -98,6 +101,14 @@ class SavedPieces:
     def owners(self) -> set[int]:
         """The steps this base's pieces are in."""
         return {entry[2] for _, _, entry in self.pieces.values()}
+
+
+def shareable(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a later step may refer to this leaf's pieces rather than write them: a leaf
+    of more than `_packed.MAX_LEAF_BYTES`. A small one is written at every save: cheap, and
+    it never keeps an earlier step on disk (a step that a kept one refers to stays whole
+    until none does: a few constant bytes would keep all of it)."""
+    return math.prod(shape) * np.dtype(dtype).itemsize > _packed.MAX_LEAF_BYTES
 
 
 def empty(step: int) -> SavedPieces:
@@ -131,7 +142,7 @@ def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> Save
     own = _layout.packed_files(process, processes)[0]
     found: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
     for item, name, dtype, shape, pieces in leaves:
-        for p in pieces:
+        for p in pieces if shareable(dtype, shape) else ():
             owner = step if p.owner is None else p.owner
             found[(item, name, p.bounds)] = (
                 dtype,

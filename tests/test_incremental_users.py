@@ -3,7 +3,8 @@ fine-tune (`nnx.Optimizer(..., wrt=nnx.LoRAParam)`), a Linen one freezing its ba
 `optax.multi_transform`, an Equinox one freezing a part with `eqx.partition`. Each trains
 3 steps saving each, its process ends, and a new process restores step 3 and trains 3 more:
 its final state is bitwise that of 6 steps run straight, and every save after the first,
-the restarted process's first among them, wrote only the trained part's bytes."""
+the restarted process's first among them, wrote only the trained part's bytes (and the
+leaves of at most 1 MiB, which every save writes)."""
 
 import json
 
@@ -32,8 +33,9 @@ def test_a_fine_tune_resumed_in_a_new_process_is_bitwise_and_writes_only_what_it
     differing = [k for k in want.files if got[k].tobytes() != want[k].tobytes()]
     assert not differing, differing
 
-    own, trained = report["own_bytes"], report["trained_bytes"]
-    assert own["1"] >= report["state_bytes"]  # the first save writes every piece
-    assert trained < report["state_bytes"] / 10
+    own, state = report["own_bytes"], report["state_bytes"]
+    rewritten = report["trained_bytes"] + report["small_bytes"]  # (small leaves: each save)
+    assert own["1"] >= state  # the first save writes every piece
+    assert rewritten < state / 10
     for step in "23456":
-        assert own[step] <= 1.05 * trained, (step, own, trained)
+        assert own[step] <= 1.05 * rewritten, (step, own, rewritten)
