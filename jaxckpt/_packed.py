@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import queue
@@ -159,7 +160,9 @@ class _Plan:
 
     everything: list[tuple[int, Bounds]]  # each distinct shard here: (position, bounds)
     own: list[tuple[int, Bounds]]  # of those, the ones only this process holds
-    shared: list[tuple]  # those several hold: (position or None, bounds, bytes, holders)
+    # those several hold, a large one cut in as many (`_cut`): (position, or (position,
+    # index within that shard), or None where not held here; bounds, bytes, holders)
+    shared: list[tuple]
     alone: np.ndarray  # the bytes of the shards each process alone holds
     here: bool  # fully addressable: this process holds all of it
     whole: bool  # held here in more than one piece: assembled into one
@@ -203,12 +206,42 @@ def _new_plan(value: jax.Array, processes: int) -> _Plan:
     for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
         size = math.prod(b - a for a, b in bounds) * itemsize
         if len(holding) > 1:
-            shared.append((mine.get(bounds), bounds, size, np.array(holding)))
+            at = mine.get(bounds)
+            for cut in _cut(bounds, len(holding)) if nbytes > MAX_LEAF_BYTES else [bounds]:
+                part = at if at is None or cut == bounds else (at, _within(cut, bounds))
+                size = math.prod(b - a for a, b in cut) * itemsize
+                shared.append((part, cut, size, np.array(holding)))
             continue
         alone[holding[0]] += size
         if holding[0] == jax.process_index():
             own.append((mine[bounds], bounds))
     return _Plan(everything, own, shared, alone, False, False, nbytes)
+
+
+def _cut(bounds: Bounds, parts: int) -> list[Bounds]:
+    """A large shard several processes hold, as `parts` runs of its first dimension longer
+    than one (each contiguous in its memory): each its own piece, which the holders share
+    out (`_writer`), so that a leaf replicated over processes is written by all of them,
+    a part each, as Orbax's replica-parallel writes do."""
+    axis = next((d for d, (a, b) in enumerate(bounds) if b - a > 1), None)
+    if axis is None:
+        return [bounds]
+    a, b = bounds[axis]
+    n = min(parts, b - a)
+    edges = [a + (b - a) * k // n for k in range(n + 1)]
+    return [(*bounds[:axis], (lo, hi), *bounds[axis + 1 :]) for lo, hi in itertools.pairwise(edges)]
+
+
+def _within(cut: Bounds, bounds: Bounds) -> tuple[slice, ...]:
+    """The index of `cut` within the shard of `bounds`."""
+    return tuple(slice(c - a, d - a) for (c, d), (a, _) in zip(cut, bounds, strict=True))
+
+
+def _host(buffers_of: Sequence[Any], at: Any) -> Any:
+    """A piece's bytes on the host: its shard's (at a position), or part of it."""
+    if isinstance(at, tuple):
+        return np.asarray(buffers_of[at[0]])[at[1]]
+    return np.asarray(buffers_of[at])
 
 
 def to_host(
@@ -252,7 +285,7 @@ def to_host(
                     leaves.append((item, name, dtype, shape, pieces, value))
                     continue
                 buffers_of = buffers(value)
-                shards = [np.asarray(buffers_of[i]) for i, _ in plan]
+                shards = [_host(buffers_of, at) for at, _ in plan]
                 if whole:
                     chunks.append((shape, dtype, plan, shards))
                     leaves.append((item, name, dtype, shape, [_all(shape)], value))

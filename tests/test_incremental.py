@@ -214,7 +214,7 @@ def _restarted_save_bytes(mesh, ckpt_dir):
 
 
 def test_a_restarted_job_after_a_full_step_writes_every_piece(mesh, ckpt_dir):
-    with jaxckpt.CheckpointManager(ckpt_dir) as m:  # format 2: XXH3-64s, no base
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=False) as m:  # format 2: no base
         m.save(0, state={"base": _base(mesh), "adapters": _adapters(mesh, 0)})
         m.wait()
     assert _restarted_save_bytes(mesh, ckpt_dir) > BASE_BYTES
@@ -248,6 +248,8 @@ def test_two_processes_each_write_only_their_changed_pieces(tmp_path):
     )
     own = [r.report()["own_bytes"] for r in results]
     assert sum(o[0] for o in own) > 6 * 2**20  # step 0: the base's 6 MiB, between them
+    # ... a half each: the replicated leaf too, cut in two (each process writes one)
+    assert abs(own[0][0] - own[1][0]) < 2**20 / 4, own
     # step 3 by new managers (no base in memory): from each process's own index of step 2
     for later in (1, 2, 3):
         assert all(o[later] < 16_384 for o in own), own  # the adapter's 16 KiB, in halves
