@@ -136,7 +136,7 @@ def test_orbax_builds_every_array_spec_in_the_function_jaxckpt_wraps(tmp_path):
     # jaxckpt's arrays carry a CRC-32C per chunk, which a restore relies on to read each
     # byte once (_integrity); plain Orbax's saves in the same process stay as Orbax made them.
     w = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)  # 2 MiB: an Orbax array
-    with jaxckpt.CheckpointManager(tmp_path / "ours") as m:
+    with jaxckpt.CheckpointManager(tmp_path / "ours", incremental=False) as m:
         m.save(1, state={"w": w})
     assert _chunk_codecs(tmp_path / "ours" / "1" / "state")[-1] == "crc32c", (
         "Orbax no longer builds its array specs in tensorstore_utils.build_array_write_spec "
@@ -154,7 +154,7 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
 
     directory = f"{s3_server.url}/boundary-kvstores"
     w = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)  # 2 MiB: an Orbax array
-    with jaxckpt.CheckpointManager(directory) as m:
+    with jaxckpt.CheckpointManager(directory, incremental=False) as m:
         m.save(1, state={"w": w})
     assert "manifest.ocdbt" in {p.name for p in (epath.Path(directory) / "1" / "state").iterdir()}
     with jaxckpt.CheckpointManager(directory, read_only=True) as m:

@@ -133,7 +133,7 @@ def _assert_bitwise(got, want):
 
 def test_small_leaves_are_packed_and_restore_bitwise_anywhere(mesh, ckpt_dir):
     state = _small_and_big(mesh)
-    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=False) as m:  # format 2
         m.save(1, state=state, rng=jax.random.key(3))
     doc = json.loads((ckpt_dir / "1/jaxckpt/jaxckpt.json").read_text())
     assert doc["format"] == 2
@@ -204,7 +204,7 @@ def test_pack_small_leaves_false_writes_every_leaf_as_an_orbax_array(mesh, ckpt_
 
 
 def _saved(mesh, ckpt_dir):
-    with jaxckpt.CheckpointManager(ckpt_dir) as m:
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=False) as m:  # format 2
         m.save(1, state=_small_and_big(mesh))
     return ckpt_dir / "1/packed"
 

@@ -41,7 +41,7 @@ def _state(step):
 def pristine(tmp_path_factory):
     """Steps 1 and 2 of a real checkpoint; copied for each test."""
     directory = tmp_path_factory.mktemp("packed_hostile") / "ckpt"
-    with jaxckpt.CheckpointManager(directory) as m:
+    with jaxckpt.CheckpointManager(directory, incremental=False) as m:  # format 2
         for step in (1, 2):
             m.save(step, state=_state(step))
     return directory

@@ -33,9 +33,14 @@ def counted(tmp_path_factory):
         if (layout, processes) not in done:
             where = tmp_path_factory.mktemp(f"{layout}-{processes}") / "ckpt"
             # The replicated jobs go on to restore copies with a damaged file (one job
-            # start for both cases, as the damage is to a copy of its own).
-            damaged = ["state", "packed"] if layout == "replicated" else []
-            done[layout, processes] = _run(where, processes, layout=layout, damaged=damaged)
+            # start for both cases, as the damage is to a copy of its own): an Orbax
+            # array's (format 2: incremental=False) and a packed file's.
+            replicated = layout == "replicated"
+            damaged = ["state", "packed"] if replicated else []
+            incremental = False if replicated else None
+            done[layout, processes] = _run(
+                where, processes, layout=layout, damaged=damaged, incremental=incremental
+            )
         return done[layout, processes]
 
     return reports

@@ -48,7 +48,8 @@ def restore_counted(job: Job) -> dict:
     step 2 restored in a new manager onto the same layout, counting what this process read.
     Then, for each of `damaged` (state/ or packed/), in a copy of the directory made before
     that restore: process 0 flips a byte of step 2's largest file there, and the job
-    restores the latest step that verifies (`report["damaged"][where]`)."""
+    restores the latest step that verifies (`report["damaged"][where]`). `incremental`: the
+    manager's (None: its default)."""
     mesh, spec = layout(job.num_processes, job.args["layout"])
     sharding = NamedSharding(mesh, spec)
 
@@ -60,7 +61,7 @@ def restore_counted(job: Job) -> dict:
 
     directory = Path(job.args["dir"])
     report = {}
-    with jaxckpt.CheckpointManager(directory) as m:
+    with jaxckpt.CheckpointManager(directory, incremental=job.args.get("incremental")) as m:
         for step in (1, 2):
             state = on_mesh(values(step)) | {"n": np.int64(step)}
             before = io_counts()

@@ -101,7 +101,8 @@ def main(out_path, old_python=None):
     ours, local, persistent = root / "jaxckpt", root / "local", root / "persistent"
     tier = jaxckpt.LocalTier(local, every_steps=1, replicas=0)
     for directory, tiers in ((ours, None), (persistent, tier)):  # (the second: local only)
-        with jaxckpt.CheckpointManager(directory, local=tiers) as m:
+        # (format 2: `w` an Orbax array, whose metadata files are swollen too)
+        with jaxckpt.CheckpointManager(directory, local=tiers, incremental=False) as m:
             for step in (1, 2):
                 m.save(step, state=state(step), rng=jax.random.key(step), data=Iterator(step))
 
