@@ -75,19 +75,17 @@ class CheckpointManager:
         `plan`); each slice's staging goes back to the system once it is on its device.
         None: 128 MiB, or a quarter of the host's memory where that is less (of the
         smallest host's, in a multi-process job).
-      compression: None (the default: raw bytes) or "zstd". zstd stores float weights ~7%
-        smaller and writes them at about half the rate (BENCHMARKS.md). Steps saved either
-        way restore the same. zstd is tensorstore's, on Orbax arrays: with it every leaf is
-        written as one (packed leaves are raw bytes), so pack_small_leaves is ignored.
-      pack_small_leaves: write every leaf of at most 1 MiB into one file per process
-        (with an index to reshard from) rather than as an Orbax array of its own: thousands
-        of small leaves save and restore at the speed of a few big ones
-        ([Benchmarks](benchmarks.md)). False writes each leaf as plain Orbax reads it
-        ([Coming from Orbax](from-orbax.md)). Steps saved either way restore the same.
-      incremental: each save writes only the pieces of leaves (each distinct shard) whose
-        bytes changed since the newest committed step, and records where the others are
-        ([Incremental steps](incremental.md)): every leaf is packed, so a step is no longer
-        a folder plain Orbax reads, nor one that stands alone.
+      compression: None (the default: raw bytes) or "zstd": float weights ~7% smaller,
+        written at about half the rate (BENCHMARKS.md); tensorstore's, on Orbax arrays:
+        every leaf is one, and saves are not incremental. Steps restore the same either way.
+      pack_small_leaves: with incremental=False, every leaf of at most 1 MiB goes into one
+        file per process (with an index to reshard from), not an Orbax array of its own.
+        False: each leaf as plain Orbax reads it ([Coming from Orbax](from-orbax.md)), and
+        saves are not incremental. Steps restore the same either way.
+      incremental: None (the default: True unless compression or pack_small_leaves=False)
+        or True: every leaf packed, a save writes only the pieces whose bytes changed since
+        the newest committed step and refers to it for the others ([Incremental
+        steps](incremental.md)). False: each step stands alone (leaves above 1 MiB: Orbax's).
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
@@ -120,7 +118,7 @@ class CheckpointManager:
         restore_inflight_bytes: int | None = None,
         compression: str | None = None,
         pack_small_leaves: bool = True,
-        incremental: bool = False,
+        incremental: bool | None = None,
         verify_on_restore: bool = True,
         read_only: bool = False,
         local: LocalTier | None = None,
@@ -149,7 +147,9 @@ class CheckpointManager:
             )
         if compression not in (None, "zstd"):
             raise ConfigError(f'compression must be None or "zstd", got {compression!r}')
-        if incremental and (compression is not None or not pack_small_leaves):
+        if incremental is None:  # on, unless Orbax's own arrays are asked for
+            incremental = compression is None and bool(pack_small_leaves)
+        elif incremental and (compression is not None or not pack_small_leaves):
             raise ConfigError(
                 "incremental=True packs every leaf, raw: it takes neither compression nor "
                 "pack_small_leaves=False"
