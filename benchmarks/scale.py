@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # (children.job)
 from benchmarks.scale_worker import DEVICES, measure
 from benchmarks.tables import table
 from reliability import gcs, s3

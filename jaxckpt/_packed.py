@@ -60,7 +60,7 @@ from etils import epath
 from jaxckpt._integrity import hasher
 from jaxckpt._layout import PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
-from jaxckpt._storage import file_sizes, read_small, write_file
+from jaxckpt._storage import file_sizes, is_remote, read_small, write_file
 from jaxckpt._tiling import bounds_of
 from jaxckpt._tree import dtype_name
 
@@ -332,7 +332,10 @@ def write(
     data, index = packed_files(jax.process_index(), jax.process_count())
     entries: list[list] = []
     wanted = sum(_nbytes(c) for c in pieces.chunks)
-    count = 1 if base is None else min(max(wanted // SPLIT_BYTES, 1), MAX_FILES)
+    split, most = (
+        (REMOTE_SPLIT_BYTES, REMOTE_MAX_FILES) if is_remote(folder) else (SPLIT_BYTES, MAX_FILES)
+    )
+    count = 1 if base is None else min(max(wanted // split, 1), most)
     with _Files(folder, data, count) as files:
         chunks = iter(pieces.chunks)
         for item, name, dtype, shape, bounds_list, _ in pieces.leaves:
@@ -358,7 +361,8 @@ def write(
 
 SPLIT_BYTES = 64 * 2**20  # an incremental step's pieces: a file for each this many bytes,
 MAX_FILES = 4  # up to this many (a new file's blocks are slow to come: written at once,
-# 501 MiB of pieces took 0.36-0.93 s in 4 files, 1.0-1.65 s in one, on this VM's ext4)
+# 501 MiB of pieces took 0.36-0.93 s in 4 files, 1.0-1.65 s in one, on this VM's ext4);
+REMOTE_SPLIT_BYTES, REMOTE_MAX_FILES = 16 * 2**20, 16  # on object storage, an upload a file
 
 
 class _Files:

@@ -318,8 +318,13 @@ class PackedStep:
         of this process's distinct shards into a buffer of its own that becomes its
         devices' (`_memory.host_buffer`: on CPU devices with no copy), a piece of the
         same bounds read straight into it, others read one at a time and copied where they
-        overlap. Nothing of a leaf's size is assembled on the host."""
+        overlap. Nothing of a leaf's size is assembled on the host. On object storage the
+        pieces are read first, all of them in as few requests as `read_pieces` makes (one
+        a piece was 138 requests for 64 MiB of 16 leaves), then copied into place."""
         wanted = self.wanted(item, requests)
+        fetched = None
+        if is_remote(self.folder):  # (a batch's bytes: what the restore's budget bounds)
+            fetched = self.read_pieces([p for pieces in wanted.values() for p in pieces])
         out = {}
         for name, request in requests.items():
             dtype, shape, _ = self._leaves[item][name]
@@ -332,7 +337,10 @@ class PackedStep:
                 if bounds not in regions:
                     regions[bounds] = host_buffer(tuple(b - a for a, b in bounds), dtype)
             for piece in wanted[name]:
-                self._read_into(piece, dtype, regions)
+                if fetched is None:
+                    self._read_into(piece, dtype, regions)
+                else:
+                    _place(piece, fetched.pop(piece), dtype, regions)
             arrays = [
                 jax.device_put(regions[bounds_of(index, shape)], device)  # type: ignore[arg-type]
                 for device, index in placement.items()
@@ -355,12 +363,16 @@ class PackedStep:
                 f"places up to byte {piece.offset + piece.nbytes}"
             )
         _check(piece, view.data, where)
-        if exact is not None:
-            return
-        values = blob.view(dtype).reshape([b - a for a, b in piece.bounds])
-        for bounds, region in regions.items():
-            if (box := _intersection(piece.bounds, bounds)) is not None:
-                region[_within(box, bounds)] = values[_within(box, piece.bounds)]
+        if exact is None:
+            _place(piece, blob, dtype, regions)
+
+
+def _place(piece: Piece, blob: np.ndarray, dtype: np.dtype, regions: Mapping[Bounds, Any]) -> None:
+    """A piece's bytes (checked) copied into each region it overlaps."""
+    values = blob.view(dtype).reshape([b - a for a, b in piece.bounds])
+    for bounds, region in regions.items():
+        if (box := _intersection(piece.bounds, bounds)) is not None:
+            region[_within(box, bounds)] = values[_within(box, piece.bounds)]
 
 
 def _check(piece: Piece, data: Any, where: str) -> None:

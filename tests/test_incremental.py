@@ -295,6 +295,34 @@ def test_incremental_steps_on_object_storage(mesh, bucket_dir):
     assert all(r.ok for r in jaxckpt.verify(bucket_dir))
 
 
+def test_on_object_storage_a_step_is_uploaded_in_parts_and_read_in_few_requests(
+    mesh, bucket, bucket_dir
+):
+    # 64 pieces of 512 KiB (8 leaves of 4 MiB, 8 shards each): uploaded as 2 objects at
+    # once (one for each 16 MiB), read back in one request per object, not one a piece
+    from etils import epath
+
+    rng = np.random.default_rng(5)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    state = {
+        f"w{i}": jax.device_put(rng.standard_normal((1024, 1024), np.float32), sharding)
+        for i in range(8)
+    }
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in state.items()
+    }
+    with jaxckpt.CheckpointManager(bucket_dir) as m:
+        m.save(1, state=state)
+    names = sorted(p.name for p in (epath.Path(bucket_dir) / "1" / "packed").iterdir())
+    assert [n for n in names if n.endswith(".bin")] == ["0-of-1.1.bin", "0-of-1.bin"], names
+    since = bucket.mark()
+    with jaxckpt.CheckpointManager(bucket_dir, read_only=True) as m:
+        got = m.restore(1, state=target)
+    _assert_bitwise(got.state, state)
+    reads = [o for kind, o in bucket.requests(since) if kind == "read" and ".bin" in o]
+    assert len(reads) <= 4, reads
+
+
 def test_a_fresh_manager_never_deletes_bytes_an_older_kept_step_shares(mesh, ckpt_dir):
     # step 1 shares step 0's bytes; step 2, the first save of another process, shares none:
     # a manager that only looked at the newest step must still find step 1 before deleting
