@@ -5,7 +5,9 @@
 
 Each state runs in a fresh process (`benchmarks/worker.py`) on 8 CPU devices, (4, 2) mesh
 (with --gpu: the accelerators of the host). In that process every contender saves and
-restores the same state, alternating: one warm-up round (reported as the first save), then
+restores the same state, alternating, every shard given new bytes before each save (as a
+training step does: jaxckpt's default, incremental save writes only what changed, and the
+same bytes again would cost it nothing): one warm-up round (reported as the first save), then
 `--runs` timed rounds, each operation after an `os.sync()` (no one else's writes still being
 flushed); medians and min-max are reported, and every ratio comes from one run.
 
@@ -149,7 +151,8 @@ def report(
         f"orbax-checkpoint {any_result['versions']['orbax']}. Each state runs in a fresh "
         "process; the contenders take turns (in an order where each follows every other one "
         "equally often), one warm-up round (the first save) then "
-        f"{runs} timed rounds; medians with (min-max), seconds unless noted. Ratios are of "
+        f"{runs} timed rounds, every shard given new bytes before each save (as a training "
+        "step does: jaxckpt's incremental save writes only what changed); medians with (min-max), seconds unless noted. Ratios are of "
         "medians from the same run. Peak RSS is the process's high-water mark above its "
         "level before the operation, as a multiple of the state's size.",
         "",
