@@ -163,9 +163,13 @@ def receive_files(
             with open(fd, "wb") as f, _opened(base, rel) if kept else nullcontext() as old:
                 done = 0
                 for first, stop in [*ranges, [_blocks(size), _blocks(size)]]:
-                    _copy(old, f, h, done * BLOCK_BYTES, min(first * BLOCK_BYTES, size), rel)
+                    keep = min(first * BLOCK_BYTES, size) - done * BLOCK_BYTES
+                    if keep > 0 and old is not None:  # the base's bytes, at the same offset
+                        old.seek(done * BLOCK_BYTES)
+                        short = f"{rel}: the copy of the delta's base step is shorter than it was"
+                        _pump(old.read, f, h, keep, short)
                     count = min(stop * BLOCK_BYTES, size) - first * BLOCK_BYTES
-                    _take(conn, f, h, count, rel)
+                    _pump(conn.recv, f, h, count, f"the peer closed the connection during {rel}")
                     received, done = received + max(count, 0), stop
                 f.flush()
                 os.fsync(f.fileno())
@@ -184,27 +188,13 @@ def _opened(base: Path | None, rel: str) -> Any:
         raise PeerError(f"{rel}: not in the copy of the delta's base step") from None
 
 
-def _copy(old: Any, f: Any, h: Any, start: int, stop: int, rel: str) -> None:
-    """Bytes [start, stop) of the base's file (kept blocks) into the new one."""
-    if stop <= start:
-        return
-    old.seek(start)
-    left = stop - start
-    while left:
-        chunk = old.read(min(left, _CHUNK))
-        if not chunk:
-            raise PeerError(f"{rel}: the copy of the delta's base step is shorter than it was")
-        h.update(chunk)
-        f.write(chunk)
-        left -= len(chunk)
-
-
-def _take(conn: Any, f: Any, h: Any, left: int, rel: str) -> None:
-    """`left` bytes from the connection into the new file."""
+def _pump(read: Any, f: Any, h: Any, left: int, ended: str) -> None:
+    """`left` bytes from `read` (a file's, the connection's) into the new file, hashed;
+    PeerError(`ended`) where they end before."""
     while left > 0:
-        chunk = conn.recv(min(left, _CHUNK))
+        chunk = read(min(left, _CHUNK))
         if not chunk:
-            raise PeerError(f"the peer closed the connection during {rel}")
+            raise PeerError(ended)
         h.update(chunk)
         f.write(chunk)
         left -= len(chunk)
