@@ -125,7 +125,7 @@ def shared_file_trial() -> str:
 
     with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
         d = Path(tmp)
-        base = frozen(65536)
+        base = frozen(2**19)  # 2 MiB: shared (a leaf of at most 1 MiB is written each save)
         with jaxckpt.CheckpointManager(d, incremental=True) as m:
             for step in (1, 2):
                 m.save(step, state={"x": expected(step)[:4096], "frozen": base})
