@@ -131,10 +131,10 @@ def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> Save
     step_dir = directory / str(step)
     try:
         packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes, parts=(process,))
-        leaves = list(packed.leaves())
+        leaves = [leaf for leaf in packed.leaves() if shareable(leaf[2], leaf[3])]
         every = [p for *_, pieces in leaves for p in pieces]
         if not every or any(p.digest is None or len(p.digest) != 32 for p in every):
-            return None  # (not format 3: XXH3-64s, or none)
+            return None  # (nothing to refer to; or not format 3: XXH3-64s)
         packed.check_sizes({p.source() for p in every})
     except (OSError, ValueError) as e:
         log.debug("step %d is no base for an incremental save: %s", step, e)
@@ -142,7 +142,7 @@ def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> Save
     own = _layout.packed_files(process, processes)[0]
     found: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
     for item, name, dtype, shape, pieces in leaves:
-        for p in pieces if shareable(dtype, shape) else ():
+        for p in pieces:
             owner = step if p.owner is None else p.owner
             found[(item, name, p.bounds)] = (
                 dtype,

@@ -61,7 +61,7 @@ from jaxckpt._integrity import hasher
 from jaxckpt._layout import PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
 from jaxckpt._storage import file_sizes, is_remote, read_small, write_file
-from jaxckpt._tiling import bounds_of
+from jaxckpt._tiling import bounds_of, within
 from jaxckpt._tree import dtype_name
 
 if TYPE_CHECKING:
@@ -204,15 +204,14 @@ def _new_plan(value: jax.Array, processes: int) -> _Plan:
         return _Plan(everything, [], [], np.zeros(0, np.int64), True, whole, nbytes)
     alone, own, shared = np.zeros(processes, np.int64), [], list[tuple[Any, ...]]()
     for bounds, holding in holders(value.sharding, value.shape).items():  # all of them
-        size = math.prod(b - a for a, b in bounds) * itemsize
         if len(holding) > 1:
             at = mine.get(bounds)
             for cut in _cut(bounds, len(holding)) if nbytes > MAX_LEAF_BYTES else [bounds]:
-                part = at if at is None or cut == bounds else (at, _within(cut, bounds))
+                part = at if at is None or cut == bounds else (at, within(cut, bounds))
                 size = math.prod(b - a for a, b in cut) * itemsize
                 shared.append((part, cut, size, np.array(holding)))
             continue
-        alone[holding[0]] += size
+        alone[holding[0]] += math.prod(b - a for a, b in bounds) * itemsize
         if holding[0] == jax.process_index():
             own.append((mine[bounds], bounds))
     return _Plan(everything, own, shared, alone, False, False, nbytes)
@@ -230,11 +229,6 @@ def _cut(bounds: Bounds, parts: int) -> list[Bounds]:
     n = min(parts, b - a)
     edges = [a + (b - a) * k // n for k in range(n + 1)]
     return [(*bounds[:axis], (lo, hi), *bounds[axis + 1 :]) for lo, hi in itertools.pairwise(edges)]
-
-
-def _within(cut: Bounds, bounds: Bounds) -> tuple[slice, ...]:
-    """The index of `cut` within the shard of `bounds`."""
-    return tuple(slice(c - a, d - a) for (c, d), (a, _) in zip(cut, bounds, strict=True))
 
 
 def _host(buffers_of: Sequence[Any], at: Any) -> Any:

@@ -21,7 +21,7 @@ from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
-from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of
+from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of, within
 from jaxckpt._tree import ReadRequest, is_count, is_counts
 
 _FORMATS = (1, INDEX_FORMAT, INCREMENTAL_FORMAT)
@@ -372,7 +372,7 @@ def _place(piece: Piece, blob: np.ndarray, dtype: np.dtype, regions: Mapping[Bou
     values = blob.view(dtype).reshape([b - a for a, b in piece.bounds])
     for bounds, region in regions.items():
         if (box := _intersection(piece.bounds, bounds)) is not None:
-            region[_within(box, bounds)] = values[_within(box, piece.bounds)]
+            region[within(box, bounds)] = values[within(box, piece.bounds)]
 
 
 def _check(piece: Piece, data: Any, where: str) -> None:
@@ -387,11 +387,6 @@ def _check(piece: Piece, data: Any, where: str) -> None:
 def _intersection(a: Bounds, b: Bounds) -> Bounds | None:
     box = tuple((max(x, u), min(y, v)) for (x, y), (u, v) in zip(a, b, strict=True))
     return box if all(lo < hi for lo, hi in box) else None
-
-
-def _within(box: Bounds, bounds: Bounds) -> tuple[slice, ...]:
-    """The index of `box` within an array holding the region `bounds`."""
-    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(box, bounds, strict=True))
 
 
 def _digest(data: Any, like: str) -> str:

@@ -21,6 +21,11 @@ def bounds_of(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ..
     )
 
 
+def within(box: tuple, bounds: tuple) -> tuple[slice, ...]:
+    """The index of the region `box` within an array holding the region `bounds`."""
+    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(box, bounds, strict=True))
+
+
 def check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[Any]) -> None:
     """The pieces of a leaf must hold each of its elements once: none missing (a process's
     files lost), none twice (an index that is not what jaxckpt writes). Checked on their
