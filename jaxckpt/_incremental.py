@@ -116,14 +116,16 @@ def empty(step: int) -> SavedPieces:
     return SavedPieces(step, {}, {})
 
 
-def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> SavedPieces | None:
+def seeded(
+    directory: epath.Path, committed: Iterable[int], saving: int, codec: str | None = None
+) -> SavedPieces | None:
     """The base of a save of step `saving` by a process with none (a restarted job, or its
     base deleted): this process's pieces of the newest `committed` step before it, as its
     own index lists them (their XXH3-128s and where their bytes are), and no arrays. The
     save then writes only the pieces whose bytes changed since, found by their digests.
     None (a full save) where there is no such step, it is not an incremental step this
-    process wrote in a job of as many processes, or its index or a file that index places
-    pieces in is not what jaxckpt writes."""
+    process wrote in a job of as many processes with this `codec`, or its index or a file
+    that index places pieces in is not what jaxckpt writes."""
     earlier = [s for s in committed if s < saving]
     if not earlier:
         return None
@@ -135,6 +137,8 @@ def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> Save
         every = [p for *_, pieces in leaves for p in pieces]
         if not every or any(p.digest is None or len(p.digest) != 32 for p in every):
             return None  # (nothing to refer to; or not format 3: XXH3-64s)
+        if any((p.stored is not None) != (codec is not None) for p in every):
+            return None  # (compressed otherwise)
         packed.check_sizes({p.source() for p in every})
     except (OSError, ValueError) as e:
         log.debug("step %d is no base for an incremental save: %s", step, e)
@@ -144,11 +148,8 @@ def seeded(directory: epath.Path, committed: Iterable[int], saving: int) -> Save
     for item, name, dtype, shape, pieces in leaves:
         for p in pieces:
             owner = step if p.owner is None else p.owner
-            found[(item, name, p.bounds)] = (
-                dtype,
-                shape,
-                [p.offset, p.digest, owner, p.file or own],
-            )
+            place = p.offset if p.stored is None else [p.offset, p.stored]
+            found[(item, name, p.bounds)] = (dtype, shape, [place, p.digest, owner, p.file or own])
     return SavedPieces(step, found, {})
 
 

@@ -89,7 +89,9 @@ class OrbaxStore:
         """`lock`: the writer's lock (held by process 0), checked before each save, each
         commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
         packed (format 2); False writes each as an Orbax array of its own. `incremental`:
-        every leaf is packed, each save writing only what changed (`_incremental`)."""
+        every leaf is packed, each save writing only what changed (`_incremental`).
+        `compression` ("zstd"): of each packed piece (`_codec`) if incremental, of Orbax's
+        arrays otherwise."""
         self.directory = epath.Path(absolute(directory))
         self.timeout_s = _agree.check_timeout(timeout_s)
         self._save_deadline: _agree.Deadline | None = None  # of the save in flight
@@ -111,8 +113,6 @@ class OrbaxStore:
         self._sharing = _incremental.Sharing()  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
         self._listed_whole = False  # whether `listed` holds every committed step
-        # zstd saves ~7% of the bytes of float weights and halves the write rate
-        # (BENCHMARKS.md); reading either kind back needs no option.
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
         arrays = ocp.PyTreeCheckpointHandler(
@@ -158,7 +158,7 @@ class OrbaxStore:
                 create_directories_asynchronously=True,
             ),
         )
-        self._packed_handler = _orbax_items.PackedHandler()
+        self._packed_handler = _orbax_items.PackedHandler(compression if incremental else None)
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -305,7 +305,9 @@ class OrbaxStore:
                     leaves, ocdbt_target_data_file_size=_orbax_items.data_file_bytes(leaves)
                 )
         if self._incremental and self._packed_handler.base is None:  # (a restarted job's)
-            self._packed_handler.base = _incremental.seeded(self.directory, self.listed, step)
+            self._packed_handler.base = _incremental.seeded(
+                self.directory, self.listed, step, self._packed_handler.codec
+            )
         if any(small.values()):
             incremental = step if self._incremental else None
             args[_layout.PACKED] = _orbax_items.PackedSave(small, incremental)

@@ -87,9 +87,11 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
     file of the save (by its path in the step) with its size and manifest digest, made as
     it was written: the manifest never reads it back. An incremental save writes only the
     pieces its `base` does not hold (`jaxckpt._incremental`): `base`, the newest committed
-    step's, is what the last save `made` once the store saw it commit (`adopt`)."""
+    step's, is what the last save `made` once the store saw it commit (`adopt`), each
+    piece compressed with `codec` ("zstd") if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, codec: str | None = None) -> None:
+        self.codec = codec
         self.written: dict[str, tuple[int, str]] = {}
         self.base: _incremental.SavedPieces | None = None
         self.made: _incremental.SavedPieces | None = None
@@ -103,7 +105,9 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
         pieces = _packed.to_host(args.items, _internals.device_buffers, same=same)
 
         async def write() -> None:
-            self.written, self.made = _packed.write(directory, pieces, base, args.step)
+            self.written, self.made = _packed.write(
+                directory, pieces, base, args.step, self.codec if base else None
+            )
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
 

@@ -57,6 +57,7 @@ import numpy as np
 import xxhash
 from etils import epath
 
+from jaxckpt import _codec
 from jaxckpt._integrity import hasher
 from jaxckpt._layout import PACKED, PACKED_INDEX, packed_files
 from jaxckpt._plan import holders
@@ -104,10 +105,17 @@ class HostPieces:
     same: frozenset[tuple[str, str]] = frozenset()
 
 
-def index_json(version: int, leaves: Iterable[tuple], entries: Iterable[list], size: int) -> str:
+def index_json(
+    version: int,
+    leaves: Iterable[tuple],
+    entries: Iterable[list],
+    size: int,
+    codec: str | None = None,
+) -> str:
     """An index of `version`: `leaves` as in `HostPieces.leaves`, `entries` each piece's
     entry in order past its bounds (`[offset, digest]`, or `[offset, digest, owner, file]`
-    for one in an earlier step's file). Made as text, leaf by leaf: as a dict and lists a
+    for one in another data file; a compressed piece's offset is `[offset, stored bytes]`).
+    Made as text, leaf by leaf: as a dict and lists a
     leaf, at thousands of leaves it set off the garbage collector's full passes in the
     save's background (35 ms made 330 ms), holding the GIL the training step needs."""
     found = iter(entries)
@@ -119,14 +127,16 @@ def index_json(version: int, leaves: Iterable[tuple], entries: Iterable[list], s
             f'"shape":[{",".join(map(str, shape))}],"pieces":[{text}]}}'
         )
     body = ",".join(f"{json.dumps(item)}:{{{','.join(e)}}}" for item, e in items.items())
-    return f'{{"format":{version},"bytes":{size},"leaves":{{{body}}}}}'
+    tag = f'"codec":"{codec}",' if codec else ""
+    return f'{{"format":{version},{tag}"bytes":{size},"leaves":{{{body}}}}}'
 
 
 def _piece_json(bounds: Bounds, entry: list) -> str:
     offset, digest, *owner = entry
     at = ",".join(f"[{a},{b}]" for a, b in bounds)
     tail = f',{owner[0]},"{owner[1]}"' if owner else ""
-    return f'[{offset},[{at}],"{digest}"{tail}]'
+    place = f"[{offset[0]},{offset[1]}]" if isinstance(offset, list) else offset
+    return f'[{place},[{at}],"{digest}"{tail}]'
 
 
 def _whole(chunk: Any) -> np.ndarray:
@@ -310,7 +320,11 @@ def _all(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def write(
-    folder: epath.Path, pieces: HostPieces, base: SavedPieces | None = None, step: int | None = None
+    folder: epath.Path,
+    pieces: HostPieces,
+    base: SavedPieces | None = None,
+    step: int | None = None,
+    codec: str | None = None,
 ) -> tuple[dict[str, tuple[int, str]], SavedPieces | None]:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
@@ -321,8 +335,10 @@ def write(
     With a `base` (an incremental save of step `step`: format 3) a piece the base holds
     (the same array, or bytes of the same XXH3-128) is not written: its entry names where
     the base's step holds it; also returns the base this step makes for the next. Its
-    pieces go to up to MAX_FILES files, written at once (`_Files`)."""
+    pieces go to up to MAX_FILES files, written at once (`_Files`), each piece compressed
+    as it is written with `codec` ("zstd", `_codec`; format 3 only)."""
     version = INDEX_FORMAT if base is None else INCREMENTAL_FORMAT
+    assert codec is None or base is not None
     data, index = packed_files(jax.process_index(), jax.process_count())
     entries: list[list] = []
     wanted = sum(_nbytes(c) for c in pieces.chunks)
@@ -330,7 +346,7 @@ def write(
         (REMOTE_SPLIT_BYTES, REMOTE_MAX_FILES) if is_remote(folder) else (SPLIT_BYTES, MAX_FILES)
     )
     count = 1 if base is None else min(max(wanted // split, 1), most)
-    with _Files(folder, data, count) as files:
+    with _Files(folder, data, count, codec) as files:
         chunks = iter(pieces.chunks)
         for item, name, dtype, shape, bounds_list, _ in pieces.leaves:
             if base is not None and (item, name) in pieces.same:
@@ -346,7 +362,8 @@ def write(
                 offset, file = files.add(chunk)
                 entries.append([offset, digest] if file == data else [offset, digest, step, file])
     written = files.written
-    text = index_json(version, pieces.leaves, entries, files.sizes[0]).encode()
+    size = written[f"{PACKED}/{data}"][0]
+    text = index_json(version, pieces.leaves, entries, size, codec).encode()
     written[f"{PACKED}/{index}"] = _write(folder, index, [text])
     if base is None or step is None:
         return written, None
@@ -361,32 +378,46 @@ REMOTE_SPLIT_BYTES, REMOTE_MAX_FILES = 16 * 2**20, 16  # on object storage, an u
 
 class _Files:
     """This process's data files of a step: `<i>-of-<n>.bin`, then `<i>-of-<n>.<k>.bin`;
-    each piece `add`ed to the one holding the fewest bytes, each file written by a thread
-    of its own (started with its first piece: no file is empty) from a short queue."""
+    each piece `add`ed to the one given the fewest bytes, each file written by a thread
+    of its own (started with its first piece: no file is empty) from a short queue, which
+    compresses each piece as it writes it with `codec`."""
 
-    def __init__(self, folder: epath.Path, first: str, count: int):
+    def __init__(self, folder: epath.Path, first: str, count: int, codec: str | None = None):
         stem = first.removesuffix(".bin")
         self.names = [first] + [f"{stem}.{k}.bin" for k in range(1, count)]
-        self.sizes = [0] * count
+        self.sizes = [0] * count  # the raw bytes given each
         self.written: dict[str, tuple[int, str]] = {}
         self._folder = folder
+        self._codec = codec
         self._queues: list[queue.Queue] = [queue.Queue(maxsize=4) for _ in range(count)]
         self._pool = concurrent.futures.ThreadPoolExecutor(count, "jaxckpt-packed")
         self._writes: list[concurrent.futures.Future | None] = [None] * count
 
-    def add(self, chunk: np.ndarray) -> tuple[int, str]:
-        """Queues a piece's bytes; returns the offset and file they go to."""
+    def add(self, chunk: np.ndarray) -> tuple[int | list[int], str]:
+        """Queues a piece's bytes; returns where they go: the offset, or for a compressed
+        piece `[offset, stored bytes]` (filled in as it is written: read it once the files
+        are closed), and the file."""
         k = self.sizes.index(min(self.sizes))
         if self._writes[k] is None:
             self._writes[k] = self._pool.submit(self._write, k)
-        self._put(k, chunk)
-        offset, self.sizes[k] = self.sizes[k], self.sizes[k] + chunk.nbytes
-        return offset, self.names[k]
+        place: int | list[int] = self.sizes[k] if self._codec is None else [0, 0]
+        self._put(k, (chunk, place))
+        self.sizes[k] += chunk.nbytes
+        return place, self.names[k]
 
     def _write(self, k: int) -> tuple[int, str]:
-        def queued() -> Iterator[np.ndarray]:
-            while (chunk := self._queues[k].get()) is not None:
-                yield chunk
+        def queued() -> Iterator[Any]:
+            at = 0  # (of a file of compressed pieces)
+            while (got := self._queues[k].get()) is not None:
+                chunk, place = got
+                if not isinstance(place, list):
+                    yield chunk
+                    continue
+                place[0] = at
+                for part in _codec.compressed(chunk):
+                    at += len(part)
+                    yield part
+                place[1] = at - place[0]
 
         return _write(self._folder, self.names[k], queued())
 

@@ -6,6 +6,7 @@
   at a seeded moment: mid-save, mid-commit or mid-retention. A new process then checks that
   every visible step verifies and restores exactly, that a new writer saves the next step,
   and that no step is kept that no kept step shares bytes with, nor any gone that one does.
+  Every other trial's writer compresses (`compression="zstd"`), and so does its checker.
 * A shared file damaged: a byte of the frozen bytes flipped in the step that holds them;
   verify names the file for that step and for the step that uses it, and a restore of
   either names it.
@@ -46,8 +47,8 @@ def trials(seed: int, kills: int) -> list[tuple[str, int, str]]:
     return [
         (
             "SIGKILL of an incremental writer (keep_last=2, a frozen leaf shared with the "
-            "first step) saving in a loop, random moment: mid-save, mid-commit or "
-            "mid-retention",
+            "first step; every other one zstd) saving in a loop, random moment: mid-save, "
+            "mid-commit or mid-retention",
             tally.trials,
             result,
         ),
@@ -57,6 +58,7 @@ def trials(seed: int, kills: int) -> list[tuple[str, int, str]]:
 
 def kill_trial(seed: int, tally: Tally) -> None:
     rng = random.Random(seed)
+    compression = "zstd" if seed % 2 else None
     with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as directory:
         port = launch.free_port()
         procs = [
@@ -69,7 +71,7 @@ def kill_trial(seed: int, tally: Tally) -> None:
                 8,
                 port,
                 N,
-                "incremental",
+                "incremental-zstd" if compression else "incremental",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
@@ -77,14 +79,14 @@ def kill_trial(seed: int, tally: Tally) -> None:
         ]
         with counted(tally, seed, procs):
             kill_after_first_save(procs, 0, rng)
-            tally.visible.append(len(check(Path(directory))))
+            tally.visible.append(len(check(Path(directory), compression)))
 
 
 def _state(step: int) -> dict:
     return {"x": expected(step), "frozen": frozen(N)}
 
 
-def check(directory: Path) -> list[int]:
+def check(directory: Path, compression: str | None = None) -> list[int]:
     """The recovery checks (AssertionError); the steps visible after the kill."""
     import jaxckpt
     from jaxckpt import _incremental
@@ -93,7 +95,7 @@ def check(directory: Path) -> list[int]:
     assert all(r.ok for r in reports), [r for r in reports if not r.ok]
     policy = jaxckpt.RetentionPolicy(keep_last=2)
     with jaxckpt.CheckpointManager(
-        directory, timeout_s=60, incremental=True, retention=policy
+        directory, timeout_s=60, incremental=True, retention=policy, compression=compression
     ) as m:
         steps = m.all_steps()
         target = {k: np.zeros_like(v) for k, v in _state(0).items()}

@@ -1,9 +1,11 @@
 """A writer of `reliability.stress` trials: saves step after step (resuming after the latest)
 until it is killed, printing each step once `save` returned. Values are `expected(step)`.
 With `incremental` (`reliability.incremental`'s trials) each step also holds a frozen leaf,
-the same array every step (`frozen()`), saved incrementally, the last two steps kept.
+the same array every step (`frozen()`), saved incrementally, the last two steps kept
+(`incremental-zstd`: each piece a zstd frame).
 
-    python -m reliability.writer DIRECTORY PROCESS_ID NUM_PROCESSES DEVICES PORT N [incremental]
+    python -m reliability.writer DIRECTORY PROCESS_ID NUM_PROCESSES DEVICES PORT N \
+        [incremental | incremental-zstd]
 """
 
 import sys
@@ -24,13 +26,14 @@ def frozen(n: int) -> np.ndarray:
 def main() -> None:
     directory, pid, nproc, devices, port, n, *mode = sys.argv[1:]
     pid, nproc, n = int(pid), int(nproc), int(n)
-    incremental = mode == ["incremental"]
+    incremental = mode in (["incremental"], ["incremental-zstd"])
     launch.join_job(devices, nproc, pid, port, heartbeat_timeout_seconds=10)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("x"))
     options: dict = {}
     if incremental:
         options = {"incremental": True, "retention": jaxckpt.RetentionPolicy(keep_last=2)}
+        options["compression"] = "zstd" if mode == ["incremental-zstd"] else None
     m = jaxckpt.CheckpointManager(directory, timeout_s=10, writer_lease_s=2, **options)
     base = jax.make_array_from_callback((n,), sharding, lambda i: frozen(n)[i])
     start = (m.latest_step() or 0) + 1

@@ -1,6 +1,7 @@
 """The job of tests/test_incremental.py's multi-process test (run by children.job in every
 process): three incremental saves of a frozen base and changing adapters, a fourth by a new
-manager (a restarted job: no base in memory), then a restore of the last onto another mesh."""
+manager (a restarted job: no base in memory), then a restore of the last onto another mesh;
+`compression` in the job's args, the managers'."""
 
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def save_three_then_restore(job: Job) -> dict:
     mesh = mesh_of((4, 2))
     base = {k: put(v, mesh, SPECS[k]) for k, v in BASE.items()}
     own = []
-    with jaxckpt.CheckpointManager(directory, incremental=True) as m:
+    options = {"incremental": True, "compression": job.args.get("compression")}
+    with jaxckpt.CheckpointManager(directory, **options) as m:
         for step in range(3):
             adapter = put(np.full((64, 64), step, np.float32), mesh, P("data", "model"))
             # step 1: the same arrays; step 2: new arrays of the same bytes
@@ -40,7 +42,7 @@ def save_three_then_restore(job: Job) -> dict:
             m.wait()
             name = f"{job.process_id}-of-{job.num_processes}.bin"
             own.append((directory / str(step) / "packed" / name).stat().st_size)
-    with jaxckpt.CheckpointManager(directory, incremental=True) as m:
+    with jaxckpt.CheckpointManager(directory, **options) as m:
         frozen = {k: put(v, mesh, SPECS[k]) for k, v in BASE.items()}
         adapter = put(np.full((64, 64), 3, np.float32), mesh, P("data", "model"))
         m.save(3, state={"base": frozen, "adapter": adapter})
