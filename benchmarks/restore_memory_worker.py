@@ -1,13 +1,16 @@
 """One process of `restore_memory.py`: writes a state the way one tool writes it ("save"),
 or restores it with that tool ("restore") and prints `RESULT <json>`: peak RSS above its
 baseline (sampled every 2 ms, and the kernel's high-water mark), what it still holds after,
-the state's share of this process, seconds, and (jaxckpt) what `plan` bounded.
+the state's share of this process, seconds, and (jaxckpt) what `plan` bounded. A save
+reports the same of itself, from its start until its step is committed.
 
     python -m benchmarks.restore_memory_worker MODE TOOL DIRECTORY PROCESSES PROCESS_ID
         DEVICES PORT MIB MESH(same|reshard) BUDGET(MiB|auto)
 
-JAXCKPT_TREE in the environment: jaxckpt imported from that tree. TOOL: jaxckpt (a `CheckpointManager`), orbax (plain `ocp.StandardCheckpointer`, its own
-checkpoint) or tensorstore (a zarr3 array per leaf, each device's slice read by
+JAXCKPT_TREE in the environment: jaxckpt imported from that tree. TOOL: jaxckpt (a
+`CheckpointManager`; to save: jaxckpt-zstd with `compression="zstd"`, jaxckpt-zstd-arrays
+with `incremental=False` too: tensorstore's zstd on Orbax arrays), orbax (plain
+`ocp.StandardCheckpointer`, its own checkpoint: zstd, its default) or tensorstore (a zarr3 array per leaf, each device's slice read by
 tensorstore and placed, as `jax.make_array_from_callback` does: no checkpoint library).
 """
 
@@ -74,24 +77,37 @@ def main() -> None:
         sharding = NamedSharding(saved_mesh, P("data", "model"))
         make = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=sharding)
         state = {name: make(jax.random.key(i)) for i, name in enumerate(abstract)}
-        if tool == "jaxckpt":
-            import jaxckpt
+        jax.block_until_ready(state)
+        import orbax.checkpoint as ocp
+        import tensorstore as ts
 
-            with jaxckpt.CheckpointManager(directory) as m:
+        import jaxckpt  # (each tool's imports before the baseline)
+
+        base = rss()
+        peak = Peak()
+        t0 = time.perf_counter()
+        if tool.startswith("jaxckpt"):
+            options = {
+                "jaxckpt": {},
+                "jaxckpt-zstd": {"compression": "zstd"},
+                "jaxckpt-zstd-arrays": {"compression": "zstd", "incremental": False},
+            }[tool]
+            with jaxckpt.CheckpointManager(directory, **options) as m:
                 m.save(1, state=state)
         elif tool == "orbax":
-            import orbax.checkpoint as ocp
-
             with ocp.StandardCheckpointer() as c:
                 c.save(f"{directory}/state", state)
         else:
-            import tensorstore as ts
-
             for name, array in state.items():
                 spec = {**tensorstore_spec(directory, name), "metadata": {}}
                 t = ts.open(spec, create=True, dtype=ts.float32, shape=shape).result()
                 t.write(np.asarray(array)).result()
-        print("RESULT {}")
+        seconds = time.perf_counter() - t0
+        top = peak.stop()
+        high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        share = mib * 2**20 // processes
+        report = {"peak_above": top - base, "high_water_above": high_water - base}
+        print("RESULT " + json.dumps(report | {"share": share, "seconds": seconds}))
         return
     mesh = saved_mesh if mesh_kind == "same" else jax.make_mesh((2, 4), ("data", "model"))
     sharding = NamedSharding(mesh, P("data", "model"))
