@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt import _layout, _packed, _packed_read
+from jaxckpt import _layout, _packed, _packed_index, _packed_read
 from jaxckpt._storage import file_sizes, read_small
 
 log = logging.getLogger("jaxckpt")
@@ -238,7 +238,7 @@ def verify_shared(step_dir: epath.Path, processes: int) -> list[str]:
     except (OSError, ValueError) as e:
         return [f"{_layout.PACKED}/: {e}"]
     problems: list[str] = []
-    batch: list[_packed_read.Piece] = []
+    batch: list[_packed_index.Piece] = []
     for piece in [*shared, None]:
         if piece is not None:
             batch.append(piece)

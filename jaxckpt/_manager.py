@@ -77,8 +77,8 @@ class CheckpointManager:
         smallest host's, in a multi-process job).
       compression: None (the default: raw bytes) or "zstd": float weights ~7% smaller
         (bfloat16 ~20%), each piece compressed as it is written (BENCHMARKS.md); with
-        incremental=False, tensorstore's, on Orbax arrays (every leaf one). Steps restore
-        the same either way.
+        incremental=False, tensorstore's on Orbax arrays (every leaf one), which holds
+        the encoded state until the commit. Steps restore the same either way.
       pack_small_leaves: with incremental=False, every leaf of at most 1 MiB goes into one
         file per process (with an index to reshard from), not an Orbax array of its own.
         False: each leaf as plain Orbax reads it ([Coming from Orbax](from-orbax.md)), and

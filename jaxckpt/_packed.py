@@ -29,7 +29,10 @@ an XXH3-128 (the manifest's hash), a process's pieces spread over up to MAX_FILE
 already holds is not written again: its entry names where they are, `[offset, bounds,
 xxh3-128, owner step, file]`, the step whose packed folder holds them (always the one that
 wrote them: a reference never leads to another reference; a piece in another of the step's
-own files names the step itself).
+own files names the step itself). With `compression="zstd"` the index says `"codec":
+"zstd"` and each piece is one zstd frame of its bytes (`jaxckpt._codec`), its offset
+`[offset, stored bytes]`; its digest is of the raw bytes, so what is unchanged does not
+depend on the codec, and a step refers only to pieces stored as its own are.
 
 A reader trusts no claim of an index until it is checked against the index itself and the
 files' real sizes, before it allocates or reads anything of a leaf's size (an index may
@@ -114,10 +117,10 @@ def index_json(
 ) -> str:
     """An index of `version`: `leaves` as in `HostPieces.leaves`, `entries` each piece's
     entry in order past its bounds (`[offset, digest]`, or `[offset, digest, owner, file]`
-    for one in another data file; a compressed piece's offset is `[offset, stored bytes]`).
-    Made as text, leaf by leaf: as a dict and lists a
-    leaf, at thousands of leaves it set off the garbage collector's full passes in the
-    save's background (35 ms made 330 ms), holding the GIL the training step needs."""
+    for one in another data file; a compressed piece's offset is `[offset, stored bytes]`,
+    under `"codec"`). Made as text, leaf by leaf: as a dict and lists a leaf, at thousands
+    of leaves it set off the garbage collector's full passes in the save's background
+    (35 ms made 330 ms), holding the GIL the training step needs."""
     found = iter(entries)
     items: dict[str, list[str]] = {}
     for item, name, dtype, shape, pieces, _ in leaves:

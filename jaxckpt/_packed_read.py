@@ -5,13 +5,9 @@ leaf's size is allocated or read, then any leaf's pieces read back onto any shar
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
 import itertools
 import json
-import math
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,46 +19,13 @@ from jaxckpt import _codec
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
+from jaxckpt._packed_index import Bounds, Piece, is_compressed, leaf_entry
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of, within
-from jaxckpt._tree import ReadRequest, is_count, is_counts
+from jaxckpt._tree import ReadRequest
 
-_FORMATS = (1, INDEX_FORMAT, INCREMENTAL_FORMAT)
-_PIECE_FORMS = {
-    1: "[offset, [[start, stop], ...]]",
-    2: "[offset, [[start, stop], ...], xxh3-64]",
-    3: "[offset, [[start, stop], ...], xxh3-128(, owner step, file)]",
-    "zstd": "[[offset, stored bytes], [[start, stop], ...], xxh3-128(, owner step, file)]",
-}
-_DIGESTS = {2: re.compile("[0-9a-f]{16}"), 3: re.compile("[0-9a-f]{32}")}  # XXH3-64, -128
-Bounds = tuple[tuple[int, int], ...]
-# a process's data file: `packed_files`', or one more of an incremental step's (`_packed._Files`)
-_DATA_FILE = re.compile(r"(\d{1,9})-of-(\d{1,9})(\.\d{1,3})?\.bin")
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 DECODERS = min(4, os.cpu_count() or 1)  # threads decoding a leaf's frames (`read_sharded`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    process: int
-    offset: int
-    bounds: tuple[tuple[int, int], ...]
-    nbytes: int
-    digest: str | None  # XXH3-64 (format 2) or -128 (3) hex of its bytes (None: format 1)
-    # Format 3: the earlier step whose packed folder holds its bytes, and the file there
-    # (None: this step's, the file of `process`).
-    owner: int | None = None
-    file: str | None = None
-    stored: int | None = None  # compressed (zstd, `_codec`): its bytes in the file
-
-    @property
-    def size(self) -> int:
-        """Its bytes in its file."""
-        return self.nbytes if self.stored is None else self.stored
-
-    def source(self) -> tuple[int | None, str | None, int]:
-        """The file it is in: (owner step, file name) or (None, None, process)."""
-        return (self.owner, self.file, -1) if self.owner is not None else (None, None, self.process)
 
 
 class PackedStep:
@@ -134,16 +97,7 @@ class PackedStep:
             raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
 
     def _add(self, process: int, doc: Any, where: str) -> None:
-        if not (
-            isinstance(doc, dict)
-            and doc.get("format") in _FORMATS
-            and is_count(doc.get("bytes"))
-            and isinstance(doc.get("leaves"), dict)
-            and doc.get("codec", _codec.ZSTD) == _codec.ZSTD
-            and ("codec" not in doc or doc["format"] == INCREMENTAL_FORMAT)
-        ):
-            raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
-        compressed = "codec" in doc
+        compressed = is_compressed(doc, where)
         self._sizes[process] = doc["bytes"]
         spans: dict[tuple, list[tuple[int, int]]] = {}  # the bytes of each piece, by file
         for item, leaves in doc["leaves"].items():
@@ -151,7 +105,7 @@ class PackedStep:
                 raise ValueError(f"{where}: item {item!r} is not an object of leaves")
             known = self._leaves.setdefault(item, {})
             for name, entry in leaves.items():
-                dtype, shape, pieces = _entry(
+                dtype, shape, pieces = leaf_entry(
                     entry,
                     process,
                     doc["bytes"],
@@ -342,17 +296,22 @@ class PackedStep:
         same bounds read straight into it, others read one at a time and copied where they
         overlap. Nothing of a leaf's size is assembled on the host. On object storage the
         pieces are read first, all of them in as few requests as `read_pieces` makes (one
-        a piece was 138 requests for 64 MiB of 16 leaves), then copied into place. Frames
-        decoded into their own buffers are decoded DECODERS at a time (zstd decodes at
-        ~0.85 GiB/s a core, a disk reads faster)."""
+        a piece was 138 requests for 64 MiB of 16 leaves), then copied into place.
+
+        zstd frames are decoded DECODERS at a time (zstd decodes ~0.85 GiB/s a core, a disk
+        reads faster): those of a region's bounds straight into it, the others each into
+        staging of its own, copied and freed, at most a quarter of the batch's bytes (or
+        one piece) staged at once."""
         wanted = self.wanted(item, requests)
+        every = [p for pieces in wanted.values() for p in pieces]
         fetched = None
         if is_remote(self.folder):  # (a batch's bytes: what the restore's budget bounds)
-            fetched = self.read_pieces([p for pieces in wanted.values() for p in pieces])
+            fetched = self.read_pieces(every)
+        staging = sum(p.nbytes for p in every) // 4
         decoders = concurrent.futures.ThreadPoolExecutor(DECODERS, "jaxckpt-decode")
         with decoders:
             return {
-                name: self._onto(item, name, request, wanted[name], fetched, decoders)
+                name: self._onto(item, name, request, wanted[name], fetched, decoders, staging)
                 for name, request in requests.items()
             }
 
@@ -364,6 +323,7 @@ class PackedStep:
         pieces: list[Piece],
         fetched: dict[Piece, np.ndarray] | None,
         decoders: concurrent.futures.Executor,
+        staging: int,
     ) -> Any:
         """One leaf of `read_sharded`."""
         dtype, shape, _ = self._leaves[item][name]
@@ -378,12 +338,18 @@ class PackedStep:
         if fetched is not None:
             for piece in pieces:
                 _place(piece, fetched.pop(piece), dtype, regions)
-        else:  # frames into their own regions at once, the rest one at a time
-            apart = [p for p in pieces if p.stored is not None and p.bounds in regions]
-            for _ in decoders.map(lambda p: self._read_into(p, dtype, regions), apart):
-                pass
+        else:
+            frames = [p for p in pieces if p.stored is not None]
+            staged = [p for p in frames if p.bounds not in regions]
+            largest = max((p.nbytes for p in staged), default=1)
+            at_once = max(1, min(DECODERS, staging // largest))  # staged pieces in flight
+            groups = [[p for p in frames if p.bounds in regions]]
+            groups += [staged[i : i + at_once] for i in range(0, len(staged), at_once)]
+            for group in groups:  # (disjoint parts of the regions: copied in at once)
+                for _ in decoders.map(lambda p: self._read_into(p, dtype, regions), group):
+                    pass
             for piece in pieces:
-                if piece.stored is None or piece.bounds not in regions:
+                if piece.stored is None:
                     self._read_into(piece, dtype, regions)
         arrays = [
             jax.device_put(regions[bounds_of(index, shape)], device)  # type: ignore[arg-type]
@@ -447,102 +413,6 @@ def _digest(data: Any, like: str) -> str:
 
 def _step_number(name: str) -> int | None:
     return int(name) if name.isdigit() and len(name) < 19 else None
-
-
-def _entry(
-    entry: Any,
-    process: int,
-    size: int,
-    version: int,
-    where: str,
-    step: int | None,
-    compressed: bool = False,
-) -> tuple:
-    shape = entry.get("shape") if type(entry) is dict else None
-    pieces = entry.get("pieces") if type(entry) is dict else None
-    if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
-        raise ValueError(f"{where} is not a packed leaf's entry")
-    dtype = _dtype(entry["dtype"])
-    if dtype is None:
-        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype")
-    shape = tuple(shape)
-    out = []
-    for piece in pieces:
-        digest, owner, file, stored = None, None, None, None
-        if version > 1:  # [offset, bounds, digest(, owner, file)]: the rest apart
-            piece, digest, owner, file = _split(piece, version, step)
-        if compressed:  # [[offset, stored bytes], bounds, ...]
-            piece, stored = _stored(piece)
-        bounds = _piece_bounds(piece, shape)
-        if bounds is None:
-            form = _PIECE_FORMS[_codec.ZSTD if compressed else version]
-            raise ValueError(f"{where}: a piece is not {form} within shape")
-        offset = piece[0]
-        nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
-        p = Piece(process, offset, bounds, nbytes, digest, owner, file, stored)
-        if owner is None and offset + p.size > size:
-            raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
-        out.append(p)
-    return dtype, shape, out
-
-
-def _split(piece: Any, version: int, step: int | None) -> tuple:
-    """A piece of format 2 or 3 as ([offset, bounds], digest, owner, file); ([], ...) if
-    it is not one: a reference names this step or an earlier one, and a data file there."""
-    nothing: tuple = ([], None, None, None)
-    forms = (3, 5) if version >= INCREMENTAL_FORMAT else (3,)
-    if type(piece) is not list or len(piece) not in forms:
-        return nothing
-    digest = piece[2]
-    if type(digest) is not str or not _DIGESTS[version].fullmatch(digest):
-        return nothing
-    if len(piece) == 3:
-        return piece[:2], digest, None, None
-    owner, file = piece[3], piece[4]
-    if type(owner) is not int or owner < 0 or (step is not None and owner > step):
-        return nothing
-    if type(file) is not str or not _DATA_FILE.fullmatch(file):
-        return nothing
-    return piece[:2], digest, owner, file
-
-
-def _stored(piece: Any) -> tuple[list, int | None]:
-    """A compressed piece's `[[offset, stored bytes], bounds]` as ([offset, bounds], stored);
-    ([], None) if it is not one."""
-    if type(piece) is not list or len(piece) != 2 or type(piece[0]) is not list:
-        return [], None
-    place = piece[0]
-    if len(place) != 2 or not all(type(n) is int and n >= 0 for n in place):
-        return [], None
-    return [place[0], piece[1]], place[1]
-
-
-def _piece_bounds(piece: Any, shape: tuple[int, ...]) -> tuple | None:
-    """A piece's bounds, if it is `[offset, [[start, stop], ...]]` within `shape`."""
-    if type(piece) is not list or len(piece) != 2:
-        return None
-    offset, bounds = piece
-    if type(offset) is not int or offset < 0 or type(bounds) is not list:
-        return None
-    if len(bounds) != len(shape):
-        return None
-    out = []
-    for pair, n in zip(bounds, shape, strict=True):
-        if type(pair) is not list or len(pair) != 2:
-            return None
-        a, b = pair
-        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
-            return None
-        out.append((a, b))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=64)
-def _dtype(name: str) -> np.dtype | None:
-    try:
-        return np.dtype(jax.numpy.dtype(name))
-    except TypeError:
-        return None
 
 
 def _assemble(

@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _packed_read, _transfer
+from jaxckpt import _packed_index, _packed_read, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._layout import StepInfo
 from jaxckpt._plan import holders
@@ -170,7 +170,7 @@ def _broadcast(
     whole = {n: dataclasses.replace(r, sharding=None) for n, r in batch.items()}
     wanted = _agreed(lambda: packed.wanted(item, whole))
     pieces = [p for ps in wanted.values() for p in ps]
-    share: list[list[_packed_read.Piece]] = [[] for _ in range(processes)]
+    share: list[list[_packed_index.Piece]] = [[] for _ in range(processes)]
     for p in pieces:
         share[p.process % processes].append(p)
     got = _agreed(lambda: packed.read_pieces(share[me]))
