@@ -23,9 +23,10 @@ zstd on Orbax arrays), and plain Orbax (zstd, its default). Target (issue 52): a
 save's peak above the state stays bounded, <= 64 MiB at every size.
 
     python benchmarks/restore_memory.py [--repeat 3] [--sizes 64,512,1536] [--no-gcs]
-        [--before REV] [--out benchmarks/results/restore_memory.md]
+        [--before REV] [--saves-only] [--out benchmarks/results/restore_memory.md]
 
 `--before REV` adds jaxckpt as of commit REV (a git worktree), restoring its own save.
+`--saves-only`: the saves' table alone, put in place of the one on the page at `--out`.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def main() -> int:
     parser.add_argument(
         "--no-gcs", action="store_true", help="skip the 512 MiB restores from gs://"
     )
+    parser.add_argument("--saves-only", action="store_true")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "restore_memory.md"
     )
@@ -133,6 +135,8 @@ def main() -> int:
     try:
         for mib in sizes:
             save_rows += saves(work, mib, args.repeat)
+            if args.saves_only:
+                continue
             saved = {kind: str(work / f"{kind}-{mib}") for kind in trees}
             for kind, tree in trees.items():
                 run("save", "jaxckpt" if kind == "before" else kind, saved[kind], mib, tree=tree)
@@ -254,6 +258,9 @@ def row(mib: int, mesh: str, processes: int, tool: str, process: int, got: list[
     }
 
 
+SAVES_HEADING = "## Save memory"
+
+
 def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> None:
     mib = 2**20
 
@@ -304,9 +311,12 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
         ]
         for r in rows
     ]
-    page = write_page(
-        args.out, "Restore memory: jaxckpt, plain Orbax, tensorstore", about, header, cells
-    )
+    if args.saves_only:  # the restores' tables as they are on the page
+        page = args.out.read_text().split(SAVES_HEADING)[0].rstrip("\n")
+    else:
+        page = write_page(
+            args.out, "Restore memory: jaxckpt, plain Orbax, tensorstore", about, header, cells
+        )
     saved = [
         [
             f"{r['mib']} MiB",
@@ -314,18 +324,20 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
             f"{r['peak']:.0f} MiB ({r['peak'] * 2**20 / r['share']:.2f}x)",
             f"{r['range'][0]:.0f}-{r['range'][1]:.0f} MiB",
             f"{r['high_water']:.0f} MiB",
-            ("yes" if r["peak"] <= 64 else "no") if "zstd" in r["tool"] else "",
+            ("yes" if max(r["peak"], r["high_water"]) <= 64 else "no")
+            if "zstd" in r["tool"]
+            else "",
             f"{r['seconds']:.2f} s",
         ]
         for r in save_rows
     ]
     head = ["state", "save", "peak above the state", "(min-max)", "high-water", "<= 64 MiB", "time"]
     text = (
-        f"\n\n## Save memory\n\nMedians of {args.repeat} saves, each in a fresh process, the "
+        f"\n\n{SAVES_HEADING}\n\nMedians of {args.repeat} saves, each in a fresh process, the "
         "tools taking turns, from the start of the save until its step is committed: peak RSS "
         "above the baseline taken with the state on its devices (sampled every 2 ms; the "
-        "kernel's high-water mark beside it). Target (issue 52): a zstd save's peak above "
-        "the state <= 64 MiB at every size.\n\n"
+        "kernel's high-water mark since the baseline beside it). Target (issue 52): a zstd "
+        "save's peak above the state <= 64 MiB at every size, by either measure.\n\n"
     )
     args.out.write_text(page + text + "\n".join(table(head, saved)) + "\n")
 
