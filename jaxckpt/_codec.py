@@ -25,6 +25,9 @@ ZSTD = "zstd"
 # float32, 0.78x bfloat16) at 1.6x the rate (610 vs 380 MiB/s a core here).
 LEVEL = 1
 BLOCK_BYTES = 2**20  # of a piece's raw bytes compressed at a time
+# The largest window a frame may ask its decoder to hold (zstd's own limit is 128 MiB, a
+# buffer each decoding thread would allocate on a frame's word): level 1 writes 512 KiB.
+MAX_WINDOW_BYTES = 8 * 2**20
 
 _contexts = threading.local()  # zstandard's contexts serve one thread at a time
 
@@ -45,7 +48,7 @@ def decompress_into(source: Any, out: memoryview, where: str) -> None:
     """The frame `source` holds (bytes, or a reader of exactly its stored bytes) decompressed
     into `out`, which it must fill exactly; ValueError naming `where` otherwise."""
     if not hasattr(_contexts, "decompressor"):
-        _contexts.decompressor = zstandard.ZstdDecompressor()
+        _contexts.decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
     try:
         reader = _contexts.decompressor.stream_reader(source, read_across_frames=False)
         got = 0

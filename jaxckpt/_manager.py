@@ -83,9 +83,10 @@ class CheckpointManager:
         file per process (with an index to reshard from), not an Orbax array of its own.
         False: each leaf as plain Orbax reads it ([Coming from Orbax](from-orbax.md)), and
         saves are not incremental. Steps restore the same either way.
-      incremental: None (the default: True unless pack_small_leaves=False) or True: every leaf packed, a save writes only the pieces whose bytes changed since
-        the newest committed step and refers to it for the others ([Incremental
-        steps](incremental.md)). False: each step stands alone (leaves above 1 MiB: Orbax's).
+      incremental: None (the default: True unless pack_small_leaves=False) or True: every
+        leaf packed, a save writes only the pieces whose bytes changed since the newest
+        committed step and refers to it for the others ([Incremental steps](incremental.md)).
+        False: each step stands alone (leaves above 1 MiB: Orbax's).
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.

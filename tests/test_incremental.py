@@ -233,6 +233,15 @@ def _zstd(data):
     return zstandard.ZstdCompressor().compress(data)
 
 
+def _wide():
+    # a frame whose header asks for a 128 MiB window (zstd's own limit), its size unsaid
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters(window_log=27, write_content_size=False)
+    stream = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return stream.compress(bytes(1000)) + stream.flush()
+
+
 def _bomb():
     import zstandard
 
@@ -255,6 +264,7 @@ def _bomb():
         (lambda d: _frame_in_place(d, os.urandom(1000)), "not a zstd frame"),
         (lambda d: _frame_in_place(d, _zstd(bytes(1000))), "to 1000 bytes, not"),
         (lambda d: _frame_in_place(d, _bomb()), "to more bytes, not the piece's 524288"),
+        (lambda d: _frame_in_place(d, _wide()), "not a zstd frame jaxckpt wrote"),
         (lambda d: _frame_in_place(d, _zstd(bytes(2**19))), "checksum"),
     ],
     ids=[
@@ -266,6 +276,7 @@ def _bomb():
         "not a frame",
         "frame of fewer bytes",
         "frame of a GiB",
+        "window of 128 MiB",
         "other bytes",
     ],
 )
