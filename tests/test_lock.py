@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from conftest import run_python
-from jaxckpt import errors
+from jaxckpt import _leases, errors
 from jaxckpt._lock import ObjectLease
 from reliability import faults, hostile, launch
 from reliability.buckets import stolen_lease_trial
@@ -388,7 +388,11 @@ def _taken_over_after_the_writers_term(bucket_dir, lease, caplog):
         caplog.at_level(logging.WARNING, logger="jaxckpt"),
         jaxckpt.CheckpointManager(bucket_dir, writer_lease_s=0.5) as m,
     ):
-        assert json.loads(lease.read_bytes())["pid"] == os.getpid()
+        # read as the lease's own code reads it, in one GET: the writer renews its lease
+        # (a 0.5 s term) while the test reads, and s3fs's read (a HEAD, then a GET of that
+        # version) failed with PreconditionFailed when a renewal came between the two
+        held = _leases.lease_object(str(lease)).fetch()
+        assert json.loads(held)["pid"] == os.getpid()
         m.save(1, state={"x": np.zeros(4, np.float32)})
     assert "took over the writer lease of" in caplog.text
 
