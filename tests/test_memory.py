@@ -1,5 +1,6 @@
 """What a restore does to the process's allocator (`jaxckpt._memory`): the staging it frees
-goes back to the system, and the allocator's rule is glibc's own again afterwards.
+goes back to the system, and the allocator's rule is glibc's own again afterwards. And
+what a compressed save holds (`jaxckpt._codec`): a few blocks, not the encoded state.
 
 Each case runs in a fresh interpreter (glibc's threshold is process-wide, and once set
 stays set) on memory the child touches and frees itself; what it reports is the kernel's
@@ -92,3 +93,45 @@ def test_on_accelerators_staging_is_reused_from_the_heap_and_handed_back_after()
 def test_the_rule_is_glibcs_own_again_once_the_last_restore_ends():
     assert held_mib("nested") < 16  # an inner restore ending leaves the outer's rule
     assert held_mib("after") > 100  # below 32 MiB, blocks come from the heap again
+
+
+SAVE_CHILD = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    import jaxckpt
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(r.split()[1]) * 1024 for r in f if r.startswith(key))
+
+    sharding = NamedSharding(jax.make_mesh((4, 2), ("data", "model")), P("data", "model"))
+    rng = np.random.default_rng(0)
+    state = {  # 256 MiB of float32 that zstd shrinks by ~7%
+        f"w{i}": jax.device_put(rng.standard_normal((1024, 4096), np.float32), sharding)
+        for i in range(16)
+    }
+    options = json.loads(sys.argv[1])
+    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), **options) as m:  # threads, imports
+        m.save(0, state={"w": jax.device_put(np.ones((64, 64), np.float32), sharding)})
+    with open("/proc/self/clear_refs", "w") as f:  # the kernel's high-water mark from here
+        f.write("5")
+    base = status("VmRSS")
+    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), **options) as m:
+        m.save(1, state=state)
+        m.wait()
+    print(json.dumps((status("VmHWM") - base) / 2**20))
+    """
+)
+
+
+def test_a_compressed_save_holds_a_few_blocks_not_the_encoded_state():
+    # each piece compressed 1 MiB at a time as it is written: ~20 MiB above the state
+    # whatever its size (tensorstore's zstd, `incremental=False`, held ~230 MiB of this 256
+    # MiB state until its commit); the kernel's high-water mark, not a sample
+    options = json.dumps({"compression": "zstd"})
+    held = json.loads(run_python("-c", SAVE_CHILD, options).stdout.splitlines()[-1])
+    assert held < 64, held
