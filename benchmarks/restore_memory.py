@@ -23,10 +23,9 @@ zstd on Orbax arrays), and plain Orbax (zstd, its default). Target (issue 52): a
 save's peak above the state stays bounded, <= 64 MiB at every size.
 
     python benchmarks/restore_memory.py [--repeat 3] [--sizes 64,512,1536] [--no-gcs]
-        [--before REV] [--saves-only] [--out benchmarks/results/restore_memory.md]
+        [--before REV] [--out benchmarks/results/restore_memory.md]
 
 `--before REV` adds jaxckpt as of commit REV (a git worktree), restoring its own save.
-`--saves-only`: the saves' table alone, put in place of the one on the page at `--out`.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.tables import table, write_page
+from benchmarks.tables import table
 from reliability import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +109,6 @@ def main() -> int:
     parser.add_argument(
         "--no-gcs", action="store_true", help="skip the 512 MiB restores from gs://"
     )
-    parser.add_argument("--saves-only", action="store_true")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "restore_memory.md"
     )
@@ -135,8 +133,6 @@ def main() -> int:
     try:
         for mib in sizes:
             save_rows += saves(work, mib, args.repeat)
-            if args.saves_only:
-                continue
             saved = {kind: str(work / f"{kind}-{mib}") for kind in trees}
             for kind, tree in trees.items():
                 run("save", "jaxckpt" if kind == "before" else kind, saved[kind], mib, tree=tree)
@@ -175,20 +171,20 @@ def saves(work: Path, mib: int, repeat: int) -> list[dict]:
             runs[name] += run("save", tool, str(directory), mib)
             shutil.rmtree(directory, ignore_errors=True)
     return [
-        {
-            "mib": mib,
-            "tool": name,
-            "peak": statistics.median(g["peak_above"] for g in got) / 2**20,
-            "range": (
-                min(g["peak_above"] for g in got) / 2**20,
-                max(g["peak_above"] for g in got) / 2**20,
-            ),
-            "high_water": statistics.median(g["high_water_above"] for g in got) / 2**20,
-            "share": got[0]["share"],
-            "seconds": statistics.median(g["seconds"] for g in got),
-        }
+        {"mib": mib, "tool": name, "share": got[0]["share"], **medians(got, 2**20)}
         for name, got in runs.items()
     ]
+
+
+def medians(got: list[dict], unit: int) -> dict:
+    """Of a tool's reports: peak, its range and the high-water mark, in `unit`s; seconds."""
+    peaks = [r["peak_above"] for r in got]
+    return {
+        "peak": statistics.median(peaks) / unit,
+        "range": (min(peaks) / unit, max(peaks) / unit),
+        "high_water": statistics.median(r["high_water_above"] for r in got) / unit,
+        "seconds": statistics.median(r["seconds"] for r in got),
+    }
 
 
 def compare(
@@ -241,24 +237,17 @@ def from_gcs(tools: dict[str, Tool], mib: int, repeat: int) -> list[dict]:
 
 def row(mib: int, mesh: str, processes: int, tool: str, process: int, got: list[dict]) -> dict:
     share = got[0]["share"]
-    peaks = [r["peak_above"] for r in got]
     return {
         "mib": mib,
         "layout": f"{'same mesh' if mesh == 'same' else 'onto (2, 4)'}, {processes} process(es)",
         "tool": tool,
         "process": process,
         "share": share,
-        "peak": statistics.median(peaks) / share,
-        "range": (min(peaks) / share, max(peaks) / share),
-        "high_water": statistics.median(r["high_water_above"] for r in got) / share,
-        "above": statistics.median(peaks) - share,
+        **medians(got, share),
+        "above": statistics.median(r["peak_above"] for r in got) - share,
         "after": statistics.median(r["after_above"] for r in got) / share,
-        "seconds": statistics.median(r["seconds"] for r in got),
         "plan": got[0]["plan_peak"],
     }
-
-
-SAVES_HEADING = "## Save memory"
 
 
 def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> None:
@@ -275,8 +264,8 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
     about = (
         f"Medians of {args.repeat} restores, each in a fresh process, the tools taking turns; "
         "peak is RSS above the baseline taken just before the restore (sampled every 2 ms; "
-        "the kernel's high-water mark beside it), as a multiple of the process's share of "
-        "the state; on CPU devices the restored arrays are host memory, so the floor is "
+        "the kernel's high-water mark since then beside it), as a multiple of the process's "
+        "share of the state; on CPU devices the restored arrays are host memory, so the floor is "
         "1.00x. Target: peak <= 1.10x the share + 64 MiB; with "
         f"`restore_inflight_bytes={BOUND_BUDGET_MIB} MiB` also above the state <= 1.25x it + "
         "32 MiB (`plan`'s bound). `jaxckpt`: the defaults. `python "
@@ -311,12 +300,6 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
         ]
         for r in rows
     ]
-    if args.saves_only:  # the restores' tables as they are on the page
-        page = args.out.read_text().split(SAVES_HEADING)[0].rstrip("\n")
-    else:
-        page = write_page(
-            args.out, "Restore memory: jaxckpt, plain Orbax, tensorstore", about, header, cells
-        )
     saved = [
         [
             f"{r['mib']} MiB",
@@ -332,14 +315,30 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
         for r in save_rows
     ]
     head = ["state", "save", "peak above the state", "(min-max)", "high-water", "<= 64 MiB", "time"]
-    text = (
-        f"\n\n{SAVES_HEADING}\n\nMedians of {args.repeat} saves, each in a fresh process, the "
-        "tools taking turns, from the start of the save until its step is committed: peak RSS "
+    saves_about = (
+        f"Medians of {args.repeat} saves, each the first of a fresh process, the tools "
+        "taking turns, from the start of the save until its step is committed: peak RSS "
         "above the baseline taken with the state on its devices (sampled every 2 ms; the "
         "kernel's high-water mark since the baseline beside it). Target (issue 52): a zstd "
-        "save's peak above the state <= 64 MiB at every size, by either measure.\n\n"
+        "save's peak above the state <= 64 MiB at every size, by either measure."
     )
-    args.out.write_text(page + text + "\n".join(table(head, saved)) + "\n")
+    text = "\n".join(
+        [
+            "# Restore memory: jaxckpt, plain Orbax, tensorstore",
+            "",
+            about,
+            "",
+            *table(header, cells),
+            "",
+            "## Save memory",
+            "",
+            saves_about,
+            "",
+            *table(head, saved),
+        ]
+    )
+    args.out.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

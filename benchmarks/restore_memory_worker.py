@@ -1,8 +1,9 @@
 """One process of `restore_memory.py`: writes a state the way one tool writes it ("save"),
 or restores it with that tool ("restore") and prints `RESULT <json>`: peak RSS above its
-baseline (sampled every 2 ms, and the kernel's high-water mark), what it still holds after,
-the state's share of this process, seconds, and (jaxckpt) what `plan` bounded. A save
-reports the same of itself, from its start until its step is committed.
+baseline (sampled every 2 ms, and the kernel's high-water mark since the baseline), what it
+still holds after, the state's share of this process, seconds, and (jaxckpt) what `plan`
+bounded. A save (the process's first) reports the same of itself, from its start until its
+step is committed.
 
     python -m benchmarks.restore_memory_worker MODE TOOL DIRECTORY PROCESSES PROCESS_ID
         DEVICES PORT MIB MESH(same|reshard) BUDGET(MiB|auto)
@@ -16,7 +17,6 @@ tensorstore and placed, as `jax.make_array_from_callback` does: no checkpoint li
 
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -58,6 +58,18 @@ class Peak:
         return max(self.value, rss())
 
 
+def reset_high_water() -> None:
+    """The kernel's high-water mark of this process's RSS counted from here on."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def high_water() -> int:
+    """The kernel's high-water mark of this process's RSS since `reset_high_water`."""
+    with open("/proc/self/status") as f:
+        return next(int(r.split()[1]) * 1024 for r in f if r.startswith("VmHWM:"))
+
+
 def tensorstore_spec(directory: str, name: str) -> dict:
     return {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{directory}/{name}"}}
 
@@ -83,8 +95,7 @@ def main() -> None:
 
         import jaxckpt  # (each tool's imports before the baseline)
 
-        with open("/proc/self/clear_refs", "w") as f:  # the kernel's high-water mark: from here
-            f.write("5")
+        reset_high_water()
         base = rss()
         peak = Peak()
         t0 = time.perf_counter()
@@ -106,10 +117,8 @@ def main() -> None:
                 t.write(np.asarray(array)).result()
         seconds = time.perf_counter() - t0
         top = peak.stop()
-        with open("/proc/self/status") as f:
-            high_water = next(int(r.split()[1]) * 1024 for r in f if r.startswith("VmHWM:"))
         share = mib * 2**20 // processes
-        report = {"peak_above": top - base, "high_water_above": high_water - base}
+        report = {"peak_above": top - base, "high_water_above": high_water() - base}
         print("RESULT " + json.dumps(report | {"share": share, "seconds": seconds}))
         return
     mesh = saved_mesh if mesh_kind == "same" else jax.make_mesh((2, 4), ("data", "model"))
@@ -144,6 +153,7 @@ def main() -> None:
                 )
             return out
 
+    reset_high_water()
     base = rss()
     peak = Peak()
     t0 = time.perf_counter()
@@ -151,10 +161,9 @@ def main() -> None:
     jax.block_until_ready(restored)
     seconds = time.perf_counter() - t0
     top = peak.stop()
-    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report = {
         "peak_above": top - base,
-        "high_water_above": high_water - base,
+        "high_water_above": high_water() - base,
         "after_above": rss() - base,
         "share": share,
         "seconds": seconds,

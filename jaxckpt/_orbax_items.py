@@ -105,9 +105,7 @@ class PackedHandler(ocp.AsyncCheckpointHandler):
         pieces = _packed.to_host(args.items, _internals.device_buffers, same=same)
 
         async def write() -> None:
-            self.written, self.made = _packed.write(
-                directory, pieces, base, args.step, self.codec if base else None
-            )
+            self.written, self.made = _packed.write(directory, pieces, base, args.step, self.codec)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxckpt_packed")]
 

@@ -367,14 +367,11 @@ class PackedStep:
             f.seek(piece.offset)
             if piece.stored is not None:  # straight from the file into its place
                 _codec.decompress_into(_codec.Span(f, piece.stored), view.data, _at(piece, where))
-                got = piece.nbytes
-            else:
-                got = f.readinto(view.data)
-        if got != piece.nbytes:
-            raise ValueError(
-                f"{where} ends at byte {piece.offset + got}, before the piece its index "
-                f"places up to byte {piece.offset + piece.nbytes}"
-            )
+            elif (got := f.readinto(view.data)) != piece.nbytes:
+                raise ValueError(
+                    f"{where} ends at byte {piece.offset + got}, before the piece its index "
+                    f"places up to byte {piece.offset + piece.nbytes}"
+                )
         _check(piece, view.data, where)
         if exact is None:
             _place(piece, blob, dtype, regions)

@@ -162,8 +162,7 @@ def test_ls_shows_each_steps_own_bytes_what_it_shares_and_why_a_step_is_kept(mes
 @CODECS
 def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckpt_dir, compression):
     _saved(mesh, ckpt_dir, compression=compression)
-    index = json.loads((ckpt_dir / "0" / "packed" / "0-of-1.json").read_text())
-    place = index["leaves"]["state"]["base.b0"]["pieces"][0][0]  # offset, or [offset, stored]
+    place = _first_piece(_index(ckpt_dir, 0)[1])[0]  # offset, or [offset, stored]
     at = (place if compression is None else place[0]) + 1000  # in the base's bytes
     with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
         f.seek(at)
@@ -182,12 +181,21 @@ def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckp
                 m.restore(2, state=target, partial=target is not None)
 
 
+def _index(ckpt_dir, step):
+    """A step's packed index: its path and its document."""
+    path = ckpt_dir / str(step) / "packed" / "0-of-1.json"
+    return path, json.loads(path.read_text())
+
+
+def _first_piece(doc):
+    return doc["leaves"]["state"]["base.b0"]["pieces"][0]
+
+
 def _edit_index(ckpt_dir, step, edit, **fields):
     """`edit` of the first piece of base.b0 in the step's index; its `fields` set (None:
     dropped)."""
-    path = ckpt_dir / str(step) / "packed" / "0-of-1.json"
-    doc = json.loads(path.read_text())
-    edit(doc["leaves"]["state"]["base.b0"]["pieces"][0])
+    path, doc = _index(ckpt_dir, step)
+    edit(_first_piece(doc))
     for key, value in fields.items():
         doc.pop(key) if value is None else doc.__setitem__(key, value)
     path.write_text(json.dumps(doc))
@@ -216,15 +224,16 @@ def test_a_hostile_reference_is_a_corrupt_checkpoint(mesh, ckpt_dir, edit, match
 def _frame_in_place(ckpt_dir, frame):
     """Step 0's first piece of base.b0 (512 KiB raw) replaced by `frame`, its stored size
     in the index made the frame's (it must fit where the piece was)."""
-    path = ckpt_dir / "0" / "packed" / "0-of-1.json"
-    doc = json.loads(path.read_text())
-    place = doc["leaves"]["state"]["base.b0"]["pieces"][0][0]
-    assert len(frame) <= place[1]
-    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
-        f.seek(place[0])
-        f.write(frame)
-    place[1] = len(frame)
-    path.write_text(json.dumps(doc))
+
+    def edit(piece):
+        place = piece[0]
+        assert len(frame) <= place[1]
+        with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
+            f.seek(place[0])
+            f.write(frame)
+        place[1] = len(frame)
+
+    _edit_index(ckpt_dir, 0, edit)
 
 
 def _zstd(data):
@@ -259,9 +268,9 @@ def _bomb():
         (lambda d: _edit_index(d, 0, lambda p: p[0].__setitem__(1, 2**40)), "past the file"),
         (
             lambda d: _edit_index(d, 0, lambda p: p[0].__setitem__(1, p[0][1] - 9)),
-            "zstd frame|decompresses to",
+            "decompresses to",
         ),
-        (lambda d: _frame_in_place(d, os.urandom(1000)), "not a zstd frame"),
+        (lambda d: _frame_in_place(d, bytes(range(250)) * 4), "not a zstd frame"),
         (lambda d: _frame_in_place(d, _zstd(bytes(1000))), "to 1000 bytes, not"),
         (lambda d: _frame_in_place(d, _bomb()), "to more bytes, not the piece's 524288"),
         (lambda d: _frame_in_place(d, _wide()), "not a zstd frame jaxckpt wrote"),
@@ -435,7 +444,7 @@ def test_on_object_storage_a_step_is_uploaded_in_parts_and_read_in_few_requests(
         got = m.restore(1, state=target)
     _assert_bitwise(got.state, state)
     reads = [o for kind, o in bucket.requests(since) if kind == "read" and ".bin" in o]
-    assert len(reads) <= 4, reads
+    assert len(reads) == 2 and len(set(reads)) == 2, reads
 
 
 def test_a_fresh_manager_never_deletes_bytes_an_older_kept_step_shares(mesh, ckpt_dir):

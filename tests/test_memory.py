@@ -97,7 +97,7 @@ def test_the_rule_is_glibcs_own_again_once_the_last_restore_ends():
 
 SAVE_CHILD = textwrap.dedent(
     """
-    import json, sys, tempfile
+    import json, tempfile
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
@@ -114,13 +114,12 @@ SAVE_CHILD = textwrap.dedent(
         f"w{i}": jax.device_put(rng.standard_normal((1024, 4096), np.float32), sharding)
         for i in range(16)
     }
-    options = json.loads(sys.argv[1])
-    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), **options) as m:  # threads, imports
+    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), compression="zstd") as m:  # warm-up
         m.save(0, state={"w": jax.device_put(np.ones((64, 64), np.float32), sharding)})
     with open("/proc/self/clear_refs", "w") as f:  # the kernel's high-water mark from here
         f.write("5")
     base = status("VmRSS")
-    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), **options) as m:
+    with jaxckpt.CheckpointManager(tempfile.mkdtemp(), compression="zstd") as m:
         m.save(1, state=state)
         m.wait()
     print(json.dumps((status("VmHWM") - base) / 2**20))
@@ -132,6 +131,5 @@ def test_a_compressed_save_holds_a_few_blocks_not_the_encoded_state():
     # each piece compressed 1 MiB at a time as it is written: ~20 MiB above the state
     # whatever its size (tensorstore's zstd, `incremental=False`, held ~230 MiB of this 256
     # MiB state until its commit); the kernel's high-water mark, not a sample
-    options = json.dumps({"compression": "zstd"})
-    held = json.loads(run_python("-c", SAVE_CHILD, options).stdout.splitlines()[-1])
+    held = json.loads(run_python("-c", SAVE_CHILD).stdout.splitlines()[-1])
     assert held < 64, held

@@ -29,19 +29,20 @@ def counted(tmp_path_factory):
     """A job's reports by layout and process count, each job run once for the module."""
     done = {}
 
-    def reports(layout, processes):
-        if (layout, processes) not in done:
+    def reports(layout, processes, incremental=None):
+        key = layout, processes, incremental
+        if key not in done:
             where = tmp_path_factory.mktemp(f"{layout}-{processes}") / "ckpt"
-            # The replicated jobs go on to restore copies with a damaged file (one job
-            # start for both cases, as the damage is to a copy of its own): an Orbax
-            # array's (format 2: incremental=False) and a packed file's.
-            replicated = layout == "replicated"
-            damaged = ["state", "packed"] if replicated else []
-            incremental = False if replicated else None
-            done[layout, processes] = _run(
+            # The replicated jobs go on to restore a copy with a damaged file (the damage is
+            # to a copy of its own): a packed file's, or with incremental=False (format 2)
+            # an Orbax array's.
+            damaged = []
+            if layout == "replicated":
+                damaged = ["packed"] if incremental is None else ["state"]
+            done[key] = _run(
                 where, processes, layout=layout, damaged=damaged, incremental=incremental
             )
-        return done[layout, processes]
+        return done[key]
 
     return reports
 
@@ -91,7 +92,8 @@ def test_each_process_reads_one_packed_index_whatever_the_processes(counted, lay
 @pytest.mark.parametrize("processes", [2, 4])
 @pytest.mark.parametrize("where", ["state", "packed"])
 def test_a_damaged_file_is_caught_and_every_process_falls_back(counted, where, processes):
-    reports = [r["damaged"][where] for r in counted("replicated", processes)]
+    incremental = None if where == "packed" else False  # (an Orbax array: format 2)
+    reports = [r["damaged"][where] for r in counted("replicated", processes, incremental)]
     victim = reports[0]["victim"]
     # the process that read the damaged part names the file; the others name that process
     assert any(f"{victim}: contents changed" in r["error"] for r in reports), reports

@@ -29,6 +29,7 @@ from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxckpt  # noqa: E402
+from jaxckpt._packed import MAX_LEAF_BYTES  # noqa: E402
 
 WIDTH = 1024  # each frozen layer: WIDTH x WIDTH float32, 4 MiB
 
@@ -173,8 +174,10 @@ def eqx_run(mngr, stop):
     return state(), [eqx.filter(diff, eqx.is_array), opt], start
 
 
-def nbytes(tree):
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+def nbytes(tree, at_most=None):
+    """The bytes of the tree's arrays (of those of at most `at_most` bytes)."""
+    sizes = [x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")]
+    return sum(n for n in sizes if at_most is None or n <= at_most)
 
 
 if __name__ == "__main__":
@@ -194,6 +197,8 @@ if __name__ == "__main__":
         "own_bytes": own,
         "state_bytes": nbytes(final),
         "trained_bytes": nbytes(trained),
-        "small_bytes": sum(x.nbytes for x in jax.tree.leaves(final) if x.nbytes <= 2**20),
+        # a save writes every leaf of at most MAX_LEAF_BYTES; the trained ones are among them
+        "small_bytes": nbytes(final, MAX_LEAF_BYTES),
+        "trained_small_bytes": nbytes(trained, MAX_LEAF_BYTES),
     }
     Path(f"{out}.json").write_text(json.dumps(report))
