@@ -101,21 +101,26 @@ WRITE_BARRIER = "async_write_complete"
 
 
 def barrier_after_writes(
-    hook: Callable[[], None], limit_ms: Callable[[], int | None]
+    hook: Callable[[], None], limit_ms: Callable[[], int | None], failed: Callable[[], None]
 ) -> Callable[..., None]:
     """A `barrier_sync_fn` for Orbax's async options: Orbax's own barrier between the job's
     processes (`ocp.multihost.get_barrier_sync_fn`), calling `hook()` first at the barrier
     of a save whose writes are done (`WRITE_BARRIER`), on every process. Each waits at most
-    `limit_ms()` (None: Orbax's timeout), what is left of the save's deadline: Orbax gives
-    each barrier the whole timeout, so that two in a row, after a process stopped, waited
-    twice as long. Orbax meets it only in a job of several processes."""
+    `limit_ms()` from this process's arrival (None: Orbax's timeout, which counts from the
+    start of the background save, this process's own writes included); `failed()` is
+    called when one times out, before its error is raised. Orbax meets it only in a job of
+    several processes."""
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         if WRITE_BARRIER in key:
             hook()
         limit = limit_ms()
         timeout_ms = timeout_ms if limit is None else min(timeout_ms, limit)
-        ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=timeout_ms)
+        try:
+            ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=timeout_ms)
+        except Exception:
+            failed()
+            raise
 
     return barrier
 

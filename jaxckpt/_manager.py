@@ -222,7 +222,7 @@ class CheckpointManager:
                     undo.callback(self._lock.release)
 
         with _agree.deadline("the opening of the manager", timeout_s):
-            refused = _agree.together(take)
+            refused = _agree.together("the writer lock taken by process 0", take)
         if refused:
             raise LockedError(
                 f"process 0 could not take the writer lock of {directory} (its error says "
@@ -308,7 +308,12 @@ class CheckpointManager:
         local, persistent = self._tiers_due(step)
         if persistent:
             self._finish_pending()  # a local save alone never waits for a persistent one
-            self._check_new(step)
+            try:  # (agreed by every process: its step's folder absent, the lock held)
+                self._store.agree_to_save(step)
+            except (LockedError, StepExistsError):  # nothing started
+                raise
+            except Exception as e:
+                raise self._save_error(step, e, background=False) from e
         with gc_paused():
             info = _layout.StepInfo(
                 step=step,
@@ -330,8 +335,6 @@ class CheckpointManager:
             if persistent:
                 try:
                     self._store.save(info, arrays, data_text, data_about)
-                except LockedError:  # nothing started
-                    raise
                 except Exception as e:
                     raise self._save_error(step, e, background=False) from e
         if persistent:
@@ -362,27 +365,6 @@ class CheckpointManager:
             yield
         except _local.WriteFailed as e:
             raise SaveError(e.step, e.cause, store.steps()) from e.cause
-
-    def _check_new(self, step: int) -> None:
-        """StepExistsError unless the persistent tier has nothing at `step`."""
-        # One stat on the blocking path; the directory is listed only to word the refusal.
-        if self._store.step_folder_exists(step):
-            if self._store.is_orbax(step):
-                raise StepExistsError(
-                    f"step {step} in {self.directory} is a step plain Orbax wrote, which "
-                    "jaxckpt reads and never overwrites or deletes. Save under a later step."
-                )
-            if step in self._store.steps():
-                raise StepExistsError(
-                    f"step {step} already exists in {self.directory}; jaxckpt never overwrites "
-                    "a committed step. Save under a new step number, or delete the old step first "
-                    "(`jaxckpt rm DIR STEP`)."
-                )
-            raise StepExistsError(
-                f"the folder for step {step} ({self.directory / str(step)}) exists but was not "
-                "written by jaxckpt, which never touches folders it did not write. Move it "
-                "away or save under another step."
-            )
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises `SaveError` if it failed."""
@@ -518,7 +500,18 @@ class CheckpointManager:
         step plain Orbax wrote is never deleted (ConfigError); the CLI's `jaxckpt rm`."""
         self._check_open(writing=True)
         self._finish_pending()
-        self._store.delete(self._reader.resolve(check_step(step)))
+        step = check_step(step)
+
+        def chosen(own: list[int]) -> list[int]:  # (process 0's decision, for every process)
+            found = self._reader.resolve(step)
+            if found not in own:
+                raise ConfigError(
+                    f"step {found} in {self.directory} was written by plain Orbax; jaxckpt "
+                    "never deletes such a step (remove its folder yourself if you mean to)"
+                )
+            return [found]
+
+        self._store.delete_steps(f"the deletion of step {step}", chosen)
 
     # ---------------------------------------------------------------------------- internals
 
@@ -536,9 +529,10 @@ class CheckpointManager:
         self._in_flight = None
         if self._retention.keep_last is None:
             return  # keeps everything: no need to list the directory
-        for old in self._retention.steps_to_delete(self._store.own_steps()):
-            log.info("retention: deleting step %d from %s", old, self.directory)
-            self._store.delete(old)
+        # Which steps go is process 0's decision, from its listing, for every process.
+        self._store.delete_steps(
+            f"the retention after step {step}", self._retention.steps_to_delete
+        )
 
     def _save_error(self, step: int, error: Exception, *, background: bool) -> SaveError:
         return _save_errors.save_error(self._store, self._lock, step, error, background=background)

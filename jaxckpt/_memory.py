@@ -114,7 +114,7 @@ def auto_inflight_bytes() -> int:
         total = 4 * 2**30
     mib = max(16, min(DEFAULT_INFLIGHT_BYTES, total // 4) // 2**20)
     if jax.process_count() > 1:
-        mib = min(int(found) for found in _agree.gather(str(mib)))
+        mib = min(int(found) for found in _agree.gather("each host's restore budget", str(mib)))
     return mib * 2**20
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -42,8 +41,8 @@ from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
-    LockedError,
     NoCheckpointError,
+    StepExistsError,
 )
 
 log = logging.getLogger("jaxckpt")
@@ -67,6 +66,32 @@ class _UnlistedSteps:
 
     def find_all(self, base_path: epath.PathLike) -> Iterator[Any]:
         return iter(())
+
+
+# Orbax's bound on the whole background save (its own writes too), set out of reach: ten
+# years, which Orbax's deadline arithmetic still takes.
+UNTIMED_S = 10 * 365 * 86400
+
+
+@dataclasses.dataclass(frozen=True)
+class Deletions:
+    """What `OrbaxStore.delete_steps` does, as process 0 decided it for every process: the
+    steps deleted, those retired (a kept step shares their bytes) and the retired steps
+    freed (deleted: no kept step needs them any more)."""
+
+    deleted: tuple[int, ...] = ()
+    retired: tuple[int, ...] = ()
+    freed: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.deleted or self.retired or self.freed)
+
+    def text(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def of(cls, text: str) -> Deletions:
+        return cls(**{k: tuple(int(s) for s in v) for k, v in json.loads(text).items()})
 
 
 class OrbaxStore:
@@ -94,10 +119,10 @@ class OrbaxStore:
         arrays otherwise."""
         self.directory = epath.Path(absolute(directory))
         self.timeout_s = _agree.check_timeout(timeout_s)
-        self._save_deadline: _agree.Deadline | None = None  # of the save in flight
         small_file_limit()  # a bad JAXCKPT_MAX_METADATA_BYTES named here, not by a read
         self._lock = lock
         self._saving: int | None = None
+        self._missed = False  # whether a barrier of the save in flight timed out
         self._orbax_steps: dict[int, _layout.OrbaxStep] = {}
         self._read_steps: frozenset[tuple[int, str]] = frozenset()  # (`Listing.read`)
         self._prefixed: frozenset[int] = frozenset()
@@ -112,7 +137,6 @@ class OrbaxStore:
         self._incremental = incremental
         self._sharing = _incremental.Sharing()  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
-        self._listed_whole = False  # whether `listed` holds every committed step
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
         arrays = ocp.PyTreeCheckpointHandler(
@@ -145,12 +169,15 @@ class OrbaxStore:
             # jaxckpt removes unfinished saves' leftovers itself (below), in its deleter.
             cleanup_tmp_directories=False,
             async_options=ocp.AsyncOptions(
-                timeout_secs=math.ceil(self.timeout_s),
+                # Orbax bounds the whole background save by this, this process's own
+                # writes included: a large or slow save never committed. jaxckpt bounds
+                # only the waits for the others (each barrier: `_barrier_ms`).
+                timeout_secs=UNTIMED_S,
                 post_finalization_callback=None if read_only else self._finalized,
                 # In a job of several processes, each hashes the files it wrote before
                 # the barrier that precedes the commit (`_hash_own_files`).
                 barrier_sync_fn=_internals.barrier_after_writes(
-                    self._hash_own_files, self._remaining_ms
+                    self._hash_own_files, self._barrier_ms, self._barrier_failed
                 ),
                 # The step's folders are made in the background (Orbax's default: made in
                 # save() they doubled its blocking time), a failed creation waking every
@@ -187,7 +214,6 @@ class OrbaxStore:
         self._read_steps = listing.read
         self._prefixed = listing.prefixed
         self._retired = listing.retired
-        self._listed_whole = not newest
         found = (*self.listed, *listing.committed) if newest else listing.committed
         self.listed = tuple(sorted(set(found)))
         return listing
@@ -253,6 +279,37 @@ class OrbaxStore:
         # look into: listed whole now (a save under the step of a folder of another name)
         return step in self._prefixed and step in self.scan().orbax
 
+    def agree_to_save(self, step: int) -> None:
+        """Step 1 of the commit protocol (`save`), decided by process 0 for every process:
+        the writer's lock confirmed (`LockedError` if this job lost it) and nothing at the
+        step's path (`StepExistsError`); every process raises the same, or all start."""
+        with _agree.deadline(f"the save of step {step}", self.timeout_s):
+            _agree.decided(f"the start of the save of step {step}", lambda: self._may_save(step))
+
+    def _may_save(self, step: int) -> str:
+        """Process 0's decision of `agree_to_save`."""
+        if self._lock is not None:
+            self._lock.check()
+        # One stat on the blocking path; the directory is listed only to word the refusal.
+        if not self.step_folder_exists(step):
+            return "go"
+        if self.is_orbax(step):
+            raise StepExistsError(
+                f"step {step} in {self.directory} is a step plain Orbax wrote, which "
+                "jaxckpt reads and never overwrites or deletes. Save under a later step."
+            )
+        if step in self.steps():
+            raise StepExistsError(
+                f"step {step} already exists in {self.directory}; jaxckpt never overwrites "
+                "a committed step. Save under a new step number, or delete the old step first "
+                "(`jaxckpt rm DIR STEP`)."
+            )
+        raise StepExistsError(
+            f"the folder for step {step} ({self.directory / str(step)}) exists but was not "
+            "written by jaxckpt, which never touches folders it did not write. Move it "
+            "away or save under another step."
+        )
+
     def save(
         self,
         info: _layout.StepInfo,
@@ -266,8 +323,10 @@ class OrbaxStore:
         copied to host memory.
 
         The commit protocol, all of it here:
-        1. Before anything is written, the writer's lock is checked (`LockedError` if this
-           job lost it: its lock file was removed or replaced, or its lease taken over).
+        1. Before anything is written (`agree_to_save`, which the caller made first),
+           process 0 confirms the writer's lock (`LockedError` if this job lost it: its
+           lock file was removed or replaced, or its lease taken over) and that nothing
+           sits at the step's path, for every process.
         2. Orbax makes `<step>.orbax-checkpoint-tmp` (on object storage, `<step>` itself)
            now, and every process writes its shards into it in the background.
         3. Each process hashes the files it wrote (`_hash_own_files`, before Orbax's
@@ -281,15 +340,12 @@ class OrbaxStore:
            `commit_success.txt`). The step is committed, and listed, from then on.
         A failure at 2-4 is raised by `wait` (as the background error it is).
 
-        Every process waits for the others at most `timeout_s` from here to the commit, in
-        all: first all agree to start (ProcessesMissingError naming those that did not
-        come: Orbax's own first barriers cannot time out), then each of Orbax's barriers
-        waits for what is left of it.
+        At each agreement (the start, then each of Orbax's barriers) a process waits for
+        the others at most `timeout_s` from its own arrival (ProcessesMissingError naming
+        those that did not come); its own writes are never timed: they take as long as
+        the store takes, a store that makes no progress being given up on by its clients.
         """
         step = info.step
-        with _agree.deadline(f"the save of step {step}", self.timeout_s) as deadline:
-            self._agree_to_save(step)
-        self._save_deadline = deadline
         args: dict[str, Any] = {}
         small: dict[str, dict[str, Any]] = {}
         for item in _layout.ITEMS:
@@ -316,27 +372,18 @@ class OrbaxStore:
         args[_layout.META_DIR] = ocp.args.JsonSave(info.to_json())
         if data is not None:
             args[_layout.DATA] = _orbax_items.DataSave(data, data_about)
-        self._saving = step
+        self._saving, self._missed = step, False
         self._packed_handler.written = {}  # (a step without small leaves calls it not)
         with _internals.writers_held():  # the background starts once this returns
             self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
-    def _agree_to_save(self, step: int) -> None:
-        """Step 1 of the commit protocol (`save`): the writer's lock asked (by process 0,
-        which holds it), and every process agreed to start, or none starts."""
-        lock = self._lock
-        # LockedError, or the lease's store failing, raised on this process
-        refused = _agree.together(lambda: lock is None or lock.check())
-        if refused:
-            raise LockedError(
-                f"process(es) {refused} could not confirm the writer lock of {self.directory}"
-                f" (their errors say why): step {step} was not started; committed steps are"
-                " intact"
-            )
+    def _barrier_ms(self) -> int:
+        """How long a process waits at each of Orbax's barriers for the others, in ms: once
+        one of the save's timed out, not again (the missing processes are named once)."""
+        return 1 if self._missed else max(1, int(self.timeout_s * 1000))
 
-    def _remaining_ms(self) -> int | None:
-        """What is left of the save's deadline, in ms, for Orbax's barriers (None: none)."""
-        return None if self._save_deadline is None else self._save_deadline.remaining_ms()
+    def _barrier_failed(self) -> None:
+        self._missed = True
 
     def _saving_folder(self, step: int) -> epath.Path:
         tmp = self.directory / f"{step}{_layout.TMP_SUFFIX}"
@@ -482,53 +529,52 @@ class OrbaxStore:
         # while the others would pair theirs with its next collective (`_spread`).
         return self._arrays.restore(self.step_dir(step) / item, args=args)
 
-    def delete(self, step: int) -> None:
-        """Removes a committed step from the listing now and deletes its files in the
-        background (process 0's `Deleter`), off the save's blocking path. A writer that lost
-        its lock deletes nothing (LockedError)."""
-        if self.is_orbax(step):
-            raise ConfigError(
-                f"step {step} in {self.directory} was written by plain Orbax; jaxckpt never "
-                "deletes such a step (remove its folder yourself if you mean to)"
-            )
+    def delete_steps(self, what: str, choose: Callable[[list[int]], list[int]]) -> Deletions:
+        """Deletes the committed steps jaxckpt wrote that `choose` picks among them (oldest
+        first), as process 0 lists them: process 0 decides for every process (the agreement
+        `what`; `choose` runs there alone). Each step leaves the listing now and its files
+        go in the background (process 0's `Deleter`), off the save's blocking path; a step
+        a kept one shares bytes with is retired instead, and each retired step no kept step
+        needs any more is deleted. A writer that lost its lock deletes nothing (LockedError).
+        """
+        with _agree.deadline(what, self.timeout_s):
+            plan = Deletions.of(_agree.decided(what, lambda: self._deletions(choose).text()))
+            for step in (*plan.deleted, *plan.retired, *plan.freed):
+                self._forget(step, retired=step in plan.retired)
+            self._retired = tuple(sorted({*self._retired, *plan.retired} - {*plan.freed}))
+            if jax.process_index() == 0:
+                for step in plan.deleted:
+                    self._deleter.delete(step)
+                for step in plan.retired:
+                    self._deleter.retire(step)
+                for step in plan.freed:
+                    self._deleter.free(step)
+            if plan:  # (the same on every process: decided) out of every listing from here
+                _agree.barrier(f"{what}: the steps out of the listing")
+        self._mngr.reload()
+        return plan
+
+    def _deletions(self, choose: Callable[[list[int]], list[int]]) -> Deletions:
+        """Process 0's decision of `delete_steps`, from a listing of the whole directory."""
         if self._lock is not None:
             self._lock.check()
-        kept = self._sharing.users(step, {s: self.step_dir(s) for s in self._own_listed()})
-        if kept:
-            log.info("step %d retired: step(s) %s share its bytes", step, kept)
-        self._forget(step, retired=bool(kept))
-        if kept:
-            self._retired = tuple(sorted({*self._retired, step}))
-        if jax.process_index() == 0:
-            (self._deleter.retire if kept else self._deleter.delete)(step)
-        with _agree.deadline(f"the deletion of step {step}", self.timeout_s):
-            _agree.barrier()
-        self._mngr.reload()
-        self.free_retired()
-
-    def _own_listed(self) -> list[int]:
-        """Every committed step jaxckpt wrote: as listed, if the last `scan` was whole (a
-        newest-only one leaves older steps out, one of which may share a step's bytes)."""
-        if not self._listed_whole:
-            return self.own_steps()
-        return [s for s in self.listed if not self.is_orbax(s)]
-
-    def free_retired(self) -> None:
-        """Deletes each retired step (as the last `scan` found them) no committed step
-        shares bytes with any more."""
-        if not self._retired:
-            return
-        kept = {s: self.step_dir(s) for s in self._own_listed()}
-        free = self._sharing.unneeded(self._retired, kept)
-        self._retired = tuple(s for s in self._retired if s not in free)
-        for step in free:
+        own = self.own_steps()
+        doomed = choose(own)
+        kept = {s: self.step_dir(s) for s in own if s not in doomed}
+        plan = Deletions(
+            deleted=tuple(s for s in doomed if not self._sharing.users(s, kept)),
+            retired=tuple(s for s in doomed if self._sharing.users(s, kept)),
+            freed=tuple(self._sharing.unneeded(self._retired, kept)),
+        )
+        for step in plan.deleted:
+            log.info("deleting step %d from %s", step, self.directory)
+        for step in plan.retired:
+            log.info(
+                "step %d retired: step(s) %s share its bytes", step, self._sharing.users(step, kept)
+            )
+        for step in plan.freed:
             log.info("deleting retired step %d: no kept step shares its bytes", step)
-            self._forget(step, retired=False)
-            if jax.process_index() == 0:
-                self._deleter.free(step)
-        if free:
-            with _agree.deadline("the deletion of retired steps", self.timeout_s):
-                _agree.barrier()
+        return plan
 
     def _forget(self, step: int, *, retired: bool) -> None:
         """What this store holds of a step leaving the listing (its files going unless

@@ -381,7 +381,7 @@ def _exchange(mine: str) -> list[Address]:
     if len(raw) > _ADDRESS_BYTES:
         raise PeerError(f"the address {mine!r} is too long")
     out = []
-    for row in _agree.gather(mine):
+    for row in _agree.gather("the local tier's peer addresses", mine):
         host, port, key, machine = row.split(" ", 3)
         out.append(Address(host, int(port), bytes.fromhex(key), machine))
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -232,26 +233,53 @@ class Reader:
                 with gc_paused():
                     return self._read_step(candidate, wanted)
             except Exception as e:
-                # (a store that failed the read is not asked again: it just did not answer)
-                if not store_failed(self.directory, e) and candidate not in self.steps():
+                after = self._after_failure(candidate, e)
+                if after == _DELETED:
                     raise _Deleted(candidate) from e
-                if not isinstance(e, CorruptCheckpointError) or not fallback or step is not None:
+                if after != _DAMAGED or not fallback or step is not None:
                     raise
+                assert isinstance(e, CorruptCheckpointError)  # (`_after_failure`: on all)
                 log.warning("restore: skipping step %d: %s", candidate, "; ".join(e.problems))
                 skipped.append(f"step {candidate}: {'; '.join(e.problems)}")
         raise NoCheckpointError(
             f"no committed step in {self.directory} verifies: {' | '.join(skipped)}"
         )
 
+    def _after_failure(self, step: int, error: Exception) -> str:
+        """What every process does once the read of `step` failed (on each: its failures
+        are agreed), decided by process 0 from what each met: read again (`_DELETED`: the
+        step was deleted meanwhile, as its listing says, unless a store failed the read:
+        it is not asked again), pass over it (`_DAMAGED`: every process found it corrupt),
+        or raise."""
+        if store_failed(self.directory, error):
+            met = "store"
+        else:
+            met = "corrupt" if isinstance(error, CorruptCheckpointError) else "other"
+        each = _agree.gather(f"what the failed read of step {step} met", met)
+
+        def decide() -> str:
+            if "store" not in each and step not in self.steps():
+                return _DELETED
+            return _DAMAGED if set(each) == {"corrupt"} else "raise"
+
+        return _agree.decided(f"what follows the failed read of step {step}", decide)
+
     def _candidates(self, step: int | None, fallback: bool) -> list[int]:
-        """The steps to try, newest first; damaged step folders are reported, not tried."""
+        """The steps to try, newest first, decided by process 0 for every process from its
+        listing; damaged step folders are reported, not tried. Every process lists too: what
+        each reads of a step (a folder plain Orbax named) is its own listing's."""
         listing = self.listing(newest=step is None and not fallback)
-        if step is not None:
-            return [listing.resolve(check_step(step))]
-        self._warn_unreadable(listing)
-        latest = listing.resolve(None)
-        log.info("restoring the latest committed step %d from %s", latest, self.directory)
-        return sorted(listing.committed, reverse=True) if fallback else [latest]
+
+        def decide() -> str:
+            if step is not None:
+                return json.dumps([listing.resolve(check_step(step))])
+            self._warn_unreadable(listing)
+            latest = listing.resolve(None)
+            log.info("restoring the latest committed step %d from %s", latest, self.directory)
+            return json.dumps(sorted(listing.committed, reverse=True) if fallback else [latest])
+
+        what = "the step" + ("s" if fallback else "") + " a restore reads"
+        return [int(s) for s in json.loads(_agree.decided(what, decide))]
 
     def _read_step(self, step: int, wanted: Wanted) -> Restored:
         """Restores a step; verified, only if its files match the manifest.
@@ -292,7 +320,8 @@ class Reader:
         except Exception as e:
             restored, failed = None, e
         found = refusing(
-            type(failed).__name__ if failed is not None and _integrity.explains(failed) else None
+            f"the read of step {step}",
+            type(failed).__name__ if failed is not None and _integrity.explains(failed) else None,
         )
         if found:
             self._check_share(step)
@@ -312,7 +341,7 @@ class Reader:
         share = (jax.process_index(), jax.process_count())
         folder = self.folder(step)
         problems = _integrity.verify_step(folder, step, share=share, unread=unread).problems
-        found = refusing("; ".join(problems) or None)
+        found = refusing(f"the check of step {step}'s files", "; ".join(problems) or None)
         if found and not problems:
             problems = (f"process(es) {found} found files that do not match the manifest",)
         if problems:
@@ -404,6 +433,9 @@ class Reader:
                     progress(step, done, size)
             leaves, total = leaves + len(info.state), total + size
         return _integrity.StepReport(step, leaves, total, tuple(problems), checksummed=False)
+
+
+_DELETED, _DAMAGED = "deleted", "damaged"  # (`_after_failure`)
 
 
 class _Deleted(Exception):

@@ -67,10 +67,15 @@ def read_arrays(
     wide = {n: r for n, r in requests.items() if n in packed and _shared(r) and 0 not in r.shape}
     spread = {n: s for n, r in requests.items() if n not in packed and (s := _read_sharding(r))}
     rest = {n: r for n, r in requests.items() if n not in wide and n not in spread}
-    out = _agreed(lambda: read_batched(read, rest, budget, whole=whole))
+    out = _agreed(
+        f"the read of step {info.step}'s arrays",
+        lambda: read_batched(read, rest, budget, whole=whole),
+    )
 
     def read_parts(batch: Mapping[str, ReadRequest]) -> dict[str, Any]:
-        got = _agreed(functools.partial(read, batch))
+        got = _agreed(
+            f"the read of a part of step {info.step}'s arrays", functools.partial(read, batch)
+        )
         return {n: _reshard(requests[n].sharding)(got[n]) for n in batch}
 
     parts = {n: dataclasses.replace(requests[n], sharding=s) for n, s in spread.items()}
@@ -81,18 +86,21 @@ def read_arrays(
             _transfer.read_errors(step, item, where),
             _transfer.corrupt_if_not_jaxckpts(step, where),
         ):
-            steps = _agreed(lambda: store.layout(info).packed_step(item))
+            steps = _agreed(
+                f"the index of step {step}'s packed leaves",
+                lambda: store.layout(info).packed_step(item),
+            )
             out.update(read_batched(functools.partial(_broadcast, steps, item), wide, budget))
     return out
 
 
-def _agreed(attempt: Callable[[], T]) -> T:
-    """`attempt()`, once every process knows whether its own succeeded (`refusing`)."""
+def _agreed(what: str, attempt: Callable[[], T]) -> T:
+    """`attempt()` (`what`), once every process knows whether its own succeeded."""
     try:
         got, failed = attempt(), None
     except Exception as e:
         got, failed = None, e
-    found = refusing(None if failed is None else type(failed).__name__)
+    found = refusing(what, None if failed is None else type(failed).__name__)
     if failed is not None:
         raise failed
     if found:
@@ -168,12 +176,12 @@ def _broadcast(
     bytes gathered by all (one all-gather of the batch); then each leaf is placed."""
     processes, me = jax.process_count(), jax.process_index()
     whole = {n: dataclasses.replace(r, sharding=None) for n, r in batch.items()}
-    wanted = _agreed(lambda: packed.wanted(item, whole))
+    wanted = _agreed(f"the packed pieces of {item} wanted", lambda: packed.wanted(item, whole))
     pieces = [p for ps in wanted.values() for p in ps]
     share: list[list[_packed_index.Piece]] = [[] for _ in range(processes)]
     for p in pieces:
         share[p.process % processes].append(p)
-    got = _agreed(lambda: packed.read_pieces(share[me]))
+    got = _agreed(f"the read of packed pieces of {item}", lambda: packed.read_pieces(share[me]))
     width = max(sum(p.nbytes for p in part) for part in share)
     row = np.zeros(1 << max(width - 1, 1).bit_length(), np.uint8)  # few shapes to compile
     at = 0

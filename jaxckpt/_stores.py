@@ -73,8 +73,6 @@ class Store(Protocol):
 
     def wait(self) -> None: ...  # until the save in flight is committed (its error raised)
 
-    def delete(self, step: int) -> None: ...
-
     def close(self) -> None: ...
 
 

@@ -39,14 +39,23 @@ class Tiers:
         self.persistent, self.local = persistent, local
 
     def latest(self) -> int | None:
-        """The newest committed step of either tier (a local step counts once every
-        process's part of it exists: a collective, with a local tier)."""
-        newest = self.persistent.latest()
-        if self.local is not None:
-            local = complete_steps(holdings(self.local))
-            if local and (newest is None or local[-1] > newest):
-                return local[-1]
+        """The newest committed step of either tier (with a local tier, agreed: a local step
+        counts once every process's part of it exists, the persistent tier's newest is
+        process 0's)."""
+        if self.local is None:
+            return self.persistent.latest()
+        newest = self._persistent_latest()
+        local = complete_steps(holdings(self.local))
+        if local and (newest is None or local[-1] > newest):
+            return local[-1]
         return newest
+
+    def _persistent_latest(self) -> int | None:
+        """The persistent tier's newest committed step, as process 0 lists it, for all."""
+        found = _agree.decided(
+            "the newest persistent step", lambda: json.dumps(self.persistent.latest())
+        )
+        return None if (newest := json.loads(found)) is None else int(newest)
 
     def restore(self, step: int | None, wanted: Wanted, fallback: bool) -> Restored:
         """The step from the tier that serves it (`step=None`: the newest of either)."""
@@ -63,7 +72,7 @@ class Tiers:
         newest local step every process holds, unless the persistent tier has a newer one."""
         held = holdings(local)
         steps = complete_steps(held)
-        persistent = self.persistent.listing(newest=True).latest
+        persistent = self._persistent_latest()
         if step is not None:
             steps = [s for s in steps if s == check_step(step)]
         elif persistent is not None and steps and steps[-1] < persistent:
@@ -77,7 +86,7 @@ class Tiers:
                 break
             problem = self._fetch_if_lost(local, candidate, held[candidate])
             problem = problem or self._local_problem(local, candidate, wanted)
-            refused = refusing(problem)
+            refused = refusing(f"the restore of local step {candidate}", problem)
             if not refused:
                 with gc_paused():
                     return self._restore_local_step(local, candidate, wanted)
@@ -97,7 +106,7 @@ class Tiers:
         (why not, if it could not)."""
         me = jax.process_index()
         own = local.own_problem(step)
-        lost = refusing(own)
+        lost = refusing(f"the parts of local step {step} lost", own)
         if me not in lost:
             return None
         peers = [h for h in parts.get(me, []) if h != me]
@@ -141,7 +150,9 @@ def holdings(store: _local.LocalStore) -> dict[int, dict[int, list[int]]]:
         mine += [(s, owner) for s in steps[-_AGREED_STEPS:]]
     mine = sorted(mine, reverse=True)[:_HELD]
     found: dict[int, dict[int, list[int]]] = {}
-    for holder, rows in enumerate(_agree.gather(json.dumps(mine))):
+    for holder, rows in enumerate(
+        _agree.gather("the local steps each process holds", json.dumps(mine))
+    ):
         for step, owner in json.loads(rows):
             found.setdefault(int(step), {}).setdefault(int(owner), []).append(holder)
     return found

@@ -69,7 +69,10 @@ def check_data(info: _layout.StepInfo, data: Any, mismatch_ok: bool, directory: 
         problem: str | Exception | None = _iterators.problem(info, data, mismatch_ok, directory)
     except JaxckptError as e:  # a damaged description: raised once all processes know
         problem = e
-    found = refusing(None if problem is None else str(problem))
+    found = refusing(
+        f"the check of the data iterator against step {info.step}",
+        None if problem is None else str(problem),
+    )
     if problem is None and found:
         problem = (
             f"process(es) {found} refused their data iterator for step {info.step} (their "

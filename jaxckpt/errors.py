@@ -127,6 +127,28 @@ class ProcessesMissingError(JaxckptError, TimeoutError):
         return str(self.args[0])
 
 
+class ProcessesDisagreeError(JaxckptError, RuntimeError):
+    """The processes of a multi-process job arrived at different agreements (one deleting
+    a step while another starts a save, say): they no longer make the same calls. Raised
+    at once on every process of the agreement; `agreements` says which each made."""
+
+    def __init__(self, agreements: dict[int, str]):
+        self.agreements = dict(agreements)
+        each = "; ".join(f"process {p}: {what}" for p, what in self.agreements.items())
+        super().__init__(
+            f"the processes of the job reached different agreements ({each}). Every process "
+            "must call the manager's methods in the same order with the same arguments; if "
+            "they did, this is a bug in jaxckpt (please report it). Committed steps are "
+            "intact; restart the job."
+        )
+
+
+class ProcessFailedError(JaxckptError, RuntimeError):
+    """Another process of the job failed what it does for every process (process 0
+    deciding which steps retention deletes, whether a step may be saved, which step a
+    restore reads): every other process raises this, naming its error."""
+
+
 class SaveError(JaxckptError, RuntimeError):
     """A save failed: at once, or in the background (then raised by the next `save`, `wait`
     or `close`). Steps committed before it are intact.
