@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/many_steps.py
 	$(BIN)/python benchmarks/local_tier.py
 	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python benchmarks/faults.py
 	$(BIN)/python benchmarks/compare.py
 
 bench-quick: $(STAMP)

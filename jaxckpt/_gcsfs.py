@@ -1,11 +1,12 @@
-"""gcsfs (fsspec's gs://, epath's backend too) with `_store_errors.ATTEMPTS` attempts a
-request, not gcsfs's six, all within a `_store_errors.within` block's deadline.
+"""gcsfs (fsspec's gs://, epath's backend too) whose requests are tried again as
+`_retries.retrying` tries them, all within a `_store_errors.within` block's deadline.
 
-gcsfs wraps one attempt of each request in its retries (`gcsfs.retry.retry_request`),
-their number fixed when its class is made, and pauses 1, 2, 4, 8 and 16 s between them: an
-endpoint that refuses connections took 35 s to give up. This class wraps the same attempt,
-and gcsfs's same retries (which errors, the pauses), in fewer; `bounded()` makes it
-fsspec's gs:// and gcs:// (each request's timeouts are fsspec's configuration:
+gcsfs wraps one attempt of each request (its answer read whole) in its retries
+(`gcsfs.retry.retry_request`), their number fixed when its class is made, 1 to 16 s apart:
+an endpoint that refuses connections took 35 s to give up, and 6 answers of 503 in a row
+failed a save. This class tries the same attempt again while it fails for a moment, as
+`retrying` decides (or gcsfs's own `is_retriable`), for the give-up time; `bounded()` makes
+it fsspec's gs:// and gcs:// (each request's timeouts are fsspec's configuration:
 `_store_errors.configure`).
 """
 
@@ -16,23 +17,24 @@ from typing import Any
 
 import fsspec
 import gcsfs
-from gcsfs.retry import retry_request
+from gcsfs.retry import is_retriable
 
-from jaxckpt._store_errors import ATTEMPTS, bounded_call
+from jaxckpt._retries import retrying
+from jaxckpt._store_errors import bounded_call
 
 # (the `decorator` package, which made gcsfs's retries, keeps what it wrapped here)
 _ONE_ATTEMPT = gcsfs.GCSFileSystem._request.__wrapped__
 
 
 class GCSFileSystem(gcsfs.GCSFileSystem):
-    """gcsfs's file system, each request tried `ATTEMPTS` times at most, and given up at
-    the deadline of the `within` block it was made in."""
+    """gcsfs's file system, each request tried again while it fails for a moment (for the
+    give-up time), and given up at the deadline of the `within` block it was made in."""
 
-    retries = ATTEMPTS
-    _attempts = retry_request(_ONE_ATTEMPT, ATTEMPTS)
+    retries = 1
 
     async def _request(self, *args: Any, **kwargs: Any) -> Any:
-        return await bounded_call(self._attempts(*args, **kwargs))
+        attempt = functools.partial(_ONE_ATTEMPT, self, *args, **kwargs)
+        return await bounded_call(retrying(attempt, also=is_retriable))
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from etils import epath
 
 from jaxckpt import _layout
 from jaxckpt._storage import files_below, is_remote, open_inside, read_small, sizes_below
-from jaxckpt._store_errors import store_failed
+from jaxckpt._store_errors import storage_error, store_failed
 from jaxckpt.errors import CorruptCheckpointError, RestoreError
 
 HASH = "xxh3_128"
@@ -229,7 +229,9 @@ def verify_step(
     unread: bool = False,
     stop: threading.Event | None = None,
 ) -> StepReport:
-    """Checks every file of a step against its manifest; never raises for bad data.
+    """Checks every file of a step against its manifest; never raises for bad data. A
+    store that fails a read (does not answer, sheds load past its retries) is raised as
+    `StorageError`: what it did not return says nothing of the files.
 
     `share=(i, n)` checks only every n-th listed file starting at i, so that n processes
     verify a step together, each reading a part of it. `progress` is called after each file.
@@ -242,6 +244,7 @@ def verify_step(
     except FileNotFoundError:
         return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is missing",))
     except (OSError, ValueError) as e:
+        _raise_if_the_store_failed(step_dir, e)
         return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is unreadable: {e}",))
     problems, total = [], 0
     # on object storage each object's size, from the listing: one of another size is not
@@ -269,6 +272,7 @@ def verify_step(
         try:
             size, found = digest(step_dir, rel, expected["size"])
         except OSError as e:
+            _raise_if_the_store_failed(step_dir, e)
             return 0, f"{rel}: unreadable ({e.strerror or e})"
         if size != expected["size"]:
             return size, f"{rel}: {size} bytes, {expected['size']} expected (truncated or grown)"
@@ -290,6 +294,12 @@ def verify_step(
         problems += [f"{rel}: not in the manifest" for rel in sorted(present - set(listed))]
         problems += [f"{rel}: missing" for rel in sorted(set(listed) - set(hashed) - present)]
     return StepReport(step, len(listed), total, tuple(problems))
+
+
+def _raise_if_the_store_failed(step_dir: epath.Path, error: BaseException) -> None:
+    """`error` raised as the `StorageError` it is where the step's store failed the read."""
+    if (failed := storage_error(step_dir, error, "verifying a step")) is not None:
+        raise failed from error
 
 
 def _manifest(step_dir: epath.Path) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:

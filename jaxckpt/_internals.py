@@ -480,7 +480,7 @@ def _wakes() -> None:
 
 def _object_kvstores() -> None:
     """Orbax reads and writes gs:// and s3:// directories through tensorstore kvstores that
-    give up on a store that does not answer (`_store_errors.tensorstore_context`), and
+    try a store that fails for a moment again, for a time (`_retries.with_store_context`), and
     s3:// ones through tensorstore's s3 driver, from now on.
 
     Orbax builds the kvstore spec of every folder it reads or writes in one function, which
@@ -493,7 +493,8 @@ def _object_kvstores() -> None:
     ever.)"""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    from jaxckpt._store_errors import gcs_to_s3, with_store_context
+    from jaxckpt._retries import with_store_context
+    from jaxckpt._store_errors import gcs_to_s3
 
     build = tensorstore_utils.build_kvstore_tspec
 

@@ -14,8 +14,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from jaxckpt._retries import retried
 from jaxckpt._storage import S3Config, bucket_and_key, s3_config
-from jaxckpt._store_errors import ATTEMPTS, botocore_settings, gcs_call_settings, give_up_s
+from jaxckpt._store_errors import botocore_settings, gcs_call_settings, give_up_s
 from jaxckpt.errors import ConfigError
 
 
@@ -171,24 +172,42 @@ class _S3Object(_LeaseObject):
         self._bucket, self._key = bucket_and_key(url)
 
     def create(self, data: bytes) -> Any:
-        with _s3_errors():
-            return self._put(data, IfNoneMatch="*")
+        return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> Any:
         try:
-            with _s3_errors():
-                return self._put(data, IfMatch=version)
+            return self._put(data, IfMatch=version)
         except FileNotFoundError as e:  # S3 answers 404, not 412, once it is gone
             raise Conflict(str(e)) from e
 
     def _put(self, data: bytes, **condition: str) -> Any:
-        put = _s3_client().put_object
-        return put(Bucket=self._bucket, Key=self._key, Body=data, **condition)["ETag"]
+        """The conditional write, tried again while the store fails for a moment
+        (`_retries.retried`). An attempt whose answer was lost may have landed: the next
+        one then finds its condition failed by its own bytes, which is no conflict."""
+        attempts = 0
+
+        def put() -> Any:
+            nonlocal attempts
+            attempts += 1
+            with _s3_errors():
+                found = _s3_client().put_object(
+                    Bucket=self._bucket, Key=self._key, Body=data, **condition
+                )
+                return found["ETag"]
+
+        try:
+            return retried(put)
+        except Conflict:
+            if attempts > 1 and (now := self.current()) is not None and self.fetch(now[0]) == data:
+                return now[0]
+            raise
 
     def current(self) -> tuple[Any, datetime.datetime] | None:
         try:
             with _s3_errors():
-                found = _s3_client().head_object(Bucket=self._bucket, Key=self._key)
+                found = retried(
+                    lambda: _s3_client().head_object(Bucket=self._bucket, Key=self._key)
+                )
         except FileNotFoundError:
             return None
         return found["ETag"], found["LastModified"]
@@ -198,39 +217,47 @@ class _S3Object(_LeaseObject):
         at_most = f"bytes=0-{MAX_LEASE_BYTES}"
         try:
             with _s3_errors():
-                got = _s3_client().get_object(
-                    Bucket=self._bucket, Key=self._key, Range=at_most, **condition
+                return retried(
+                    lambda: bytes(
+                        _s3_client()
+                        .get_object(Bucket=self._bucket, Key=self._key, Range=at_most, **condition)[
+                            "Body"
+                        ]
+                        .read(MAX_LEASE_BYTES + 1)
+                    )
                 )
-                return bytes(got["Body"].read(MAX_LEASE_BYTES + 1))
         except _NoRange:  # an empty object: a range of it is refused
             return b""
         except (Conflict, FileNotFoundError):
             return None
 
     def delete(self, version: Any, *, once: bool = False) -> None:
-        with _s3_errors():
-            client = _s3_client(attempts=1 if once else ATTEMPTS)
-            client.delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+        def delete() -> None:
+            with _s3_errors():
+                _s3_client().delete_object(Bucket=self._bucket, Key=self._key, IfMatch=version)
+
+        delete() if once else retried(delete)
 
     def server_now(self) -> datetime.datetime:
         with _s3_errors():
-            found = _s3_client().head_bucket(Bucket=self._bucket)
+            found = retried(lambda: _s3_client().head_bucket(Bucket=self._bucket))
         return email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
 
 
-def _s3_client(attempts: int = ATTEMPTS) -> Any:
-    return _s3_client_for(s3_config(), give_up_s(), attempts)
+def _s3_client() -> Any:
+    return _s3_client_for(s3_config(), give_up_s())
 
 
 @functools.cache
-def _s3_client_for(config: S3Config, give_up_s: float, attempts: int) -> Any:
-    """A client of `config`'s endpoint that gives up in `give_up_s` (`_store_errors`),
-    trying each request `attempts` times, each for at most a third of it."""
+def _s3_client_for(config: S3Config, give_up_s: float) -> Any:
+    """A client of `config`'s endpoint that gives up on an attempt in a third of
+    `give_up_s` (`_store_errors`), trying each request once (`_retries.retried` tries
+    again)."""
     import boto3
     import botocore.config
 
     style = {"addressing_style": config.addressing_style} if config.addressing_style else None
-    settings = botocore.config.Config(s3=style, **botocore_settings(give_up_s, attempts))
+    settings = botocore.config.Config(s3=style, **botocore_settings(give_up_s, attempts=1))
     return boto3.session.Session().client("s3", region_name=config.region, config=settings)
 
 

@@ -42,7 +42,7 @@ from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import Notices, PreemptionPolicy
 from jaxckpt._reader import Reader
 from jaxckpt._storage import absolute
-from jaxckpt._store_errors import naming_its_store, naming_the_store
+from jaxckpt._store_errors import naming_its_store, naming_the_store, reaching
 from jaxckpt._tiers import Tiers
 from jaxckpt._tree import flatten, node_types
 from jaxckpt._trees import Restored, Wanted
@@ -530,9 +530,9 @@ class CheckpointManager:
         if self._retention.keep_last is None:
             return  # keeps everything: no need to list the directory
         # Which steps go is process 0's decision, from its listing, for every process.
-        self._store.delete_steps(
-            f"the retention after step {step}", self._retention.steps_to_delete
-        )
+        with reaching(self.directory, f"applying retention after step {step}"):
+            what = f"the retention after step {step}"
+            self._store.delete_steps(what, self._retention.steps_to_delete)
 
     def _save_error(self, step: int, error: Exception, *, background: bool) -> SaveError:
         return _save_errors.save_error(self._store, self._lock, step, error, background=background)

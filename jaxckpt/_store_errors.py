@@ -10,15 +10,14 @@ apart) or 2 minutes (google-cloud-storage), and one that does not answer for min
 at all, and 32 tries); then `EndpointConnectionError`, `ClientConnectorError`, ...
 surfaced raw.
 
-The give-up time `T` (`JAXCKPT_STORAGE_TIMEOUT_S`, 30 s unless set) bounds them all: a
-request is tried `ATTEMPTS` times at most (google-cloud-storage: for `T` at most), each
-attempt waiting at most `T / ATTEMPTS` to connect and as long for each part of an answer
-(tensorstore: for a byte of it), with a pause of a few seconds between attempts at most.
-An endpoint that refuses connections is given up in a few seconds (the pauses between
-attempts), one that does not answer in about `T` and the pauses. s3fs and gcsfs try once
-per attempt of theirs, in subclasses of their file systems (`jaxckpt._s3fs`,
-`jaxckpt._gcsfs`); tensorstore reads curl's limits from the environment (set here unless
-the user set them) and its attempts from its kvstores' context (`tensorstore_context`).
+The give-up time `T` (`JAXCKPT_STORAGE_TIMEOUT_S`, 30 s unless set) bounds them all: each
+attempt of a request waits at most `T / ATTEMPTS` to connect and as long for each part of
+an answer (tensorstore: for a byte of it), and a request that fails for a moment is tried
+again for about `T` (`jaxckpt._retries`: s3fs and gcsfs in subclasses of their file
+systems, `jaxckpt._s3fs` and `jaxckpt._gcsfs`; google-cloud-storage for `T`; tensorstore,
+which reads curl's limits from the environment, set here unless the user set them, as many
+times as fill it). A store that stays down or does not answer is given up on in about `T`
+and a pause.
 `within(seconds)` bounds all the requests s3fs and gcsfs make in a block, in all: an error
 path (the listing that words a `SaveError`) never waits long on a store that just failed.
 
@@ -96,6 +95,12 @@ _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 )
 
 
+def time_left() -> float | None:
+    """What is left of the `within` block this runs in (None outside one)."""
+    deadline = _DEADLINE.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
 @contextlib.contextmanager
 def within(seconds: float) -> Iterator[None]:
     """Every request s3fs and gcsfs make for this thread in the block (jaxckpt's and
@@ -143,14 +148,6 @@ def _tensorstore_limits(seconds: float) -> None:
             os.environ[name] = _set_in_environment[name] = value
 
 
-def tensorstore_context(protocol: str) -> dict[str, Any]:
-    """The `context` of tensorstore's kvstore of a gs:// or s3:// folder: each request
-    tried `ATTEMPTS` times, 1-2 s apart (tensorstore's default: 32 times, up to 32 s apart,
-    for about ten minutes)."""
-    retries = {"max_retries": ATTEMPTS, "initial_delay": "1s", "max_delay": "2s"}
-    return {f"{'s3' if protocol == 's3' else 'gcs'}_request_retries": retries}
-
-
 # fsspec's settings of each protocol as jaxckpt last set them: replaced when the give-up
 # time changes, unless someone else set them since (their setting is kept).
 _set_here: dict[tuple[str, str], Any] = {}
@@ -172,19 +169,6 @@ def gcs_to_s3(spec: Any) -> Any:
     return {key: gcs_to_s3(value) for key, value in spec.items()}
 
 
-def with_store_context(spec: Any) -> Any:
-    """A kvstore spec with each gcs or s3 driver in it given the context of its attempts
-    (`tensorstore_context`; one the spec has already is kept)."""
-    if isinstance(spec, list):
-        return [with_store_context(s) for s in spec]
-    if not isinstance(spec, dict):
-        return spec
-    spec = {key: with_store_context(value) for key, value in spec.items()}
-    if spec.get("driver") in ("gcs", "s3") and "context" not in spec:
-        spec["context"] = tensorstore_context("s3" if spec["driver"] == "s3" else "gs")
-    return spec
-
-
 def configure(url: Any) -> None:
     """Sets the clients of `url`'s store to the give-up time now: fsspec's (s3fs, gcsfs:
     epath's too) and tensorstore's curl, unless tensorstore made its transport before;
@@ -202,7 +186,7 @@ def configure(url: Any) -> None:
             return
         bounded_s3()
         options = fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {})
-        _set(options, "s3", botocore_settings(seconds))
+        _set(options, "s3", botocore_settings(seconds, attempts=1))  # (`_retries`: again)
     elif protocol in ("gs", "gcs"):
         try:
             from jaxckpt._gcsfs import bounded
@@ -285,10 +269,10 @@ def storage_error(url: Any, error: BaseException, doing: str | None = None) -> S
     (gs://b/run/3/state)"), said first."""
     if url is None or "://" not in str(url) or isinstance(error, JaxckptError):
         return None
-    for cause in _causes(error):
-        kind = _kind(cause)
-        if kind is not None:
-            return StorageError(_message(url, kind, cause, doing))
+    for cause in causes(error):
+        found = kind(cause)
+        if found is not None:
+            return StorageError(_message(url, found, cause, doing))
     return None
 
 
@@ -298,7 +282,7 @@ def store_failed(url: Any, error: BaseException) -> bool:
     return isinstance(error, StorageError) or storage_error(url, error) is not None
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
+def causes(error: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     while error is not None and id(error) not in seen and len(seen) < 16:
         seen.add(id(error))
@@ -319,33 +303,33 @@ _REFUSED_CODES = frozenset(
 )
 
 
-def _kind(error: BaseException) -> str | None:
+def kind(error: BaseException) -> str | None:
     """What kind of failure of the store `error` is: "unreachable", "refused", "bucket",
-    "failed" (the store's 5xx), or None (not one)."""
-    status, code = _status(error)
+    "failed" (the store's 5xx or 429), or None (not one)."""
+    answered, code = status(error)
     if code == "NoSuchBucket":
         return "bucket"
-    if status in (401, 403) or code in _REFUSED_CODES:
+    if answered in (401, 403) or code in _REFUSED_CODES:
         return "refused"
-    if status is not None and status >= 500:
+    if answered is not None and (answered >= 500 or answered == 429):  # (429: too many)
         return "failed"
-    if _is(error, "botocore.exceptions", "NoCredentialsError", "PartialCredentialsError"):
+    if is_one(error, "botocore.exceptions", "NoCredentialsError", "PartialCredentialsError"):
         return "refused"
-    if _is(error, "google.auth.exceptions", "DefaultCredentialsError", "RefreshError"):
+    if is_one(error, "google.auth.exceptions", "DefaultCredentialsError", "RefreshError"):
         return "refused"
     # gcsfs raises a 403 as a plain OSError with this text (gcsfs.retry.validate_response)
     if type(error) is OSError and str(error).startswith("Forbidden: "):
         return "refused"
     # (Only the clients' own: a local tier's or a peer's OSError is not the store's.)
-    if _is(error, "fsspec.exceptions", "FSTimeoutError"):
+    if is_one(error, "fsspec.exceptions", "FSTimeoutError"):
         return "unreachable"
-    if _is(error, "botocore.exceptions", "ConnectionError", "ReadTimeoutError"):
+    if is_one(error, "botocore.exceptions", "ConnectionError", "ReadTimeoutError"):
         return "unreachable"
-    if _is(error, "aiohttp", "ClientConnectionError"):
+    if is_one(error, "aiohttp", "ClientConnectionError"):
         return "unreachable"
-    if _is(error, "requests.exceptions", "ConnectionError", "Timeout"):
+    if is_one(error, "requests.exceptions", "ConnectionError", "Timeout"):
         return "unreachable"
-    if _is(error, "google.api_core.exceptions", "RetryError"):  # its deadline passed
+    if is_one(error, "google.api_core.exceptions", "RetryError"):  # its deadline passed
         return "unreachable"
     if isinstance(error, ValueError) and _TENSORSTORE_UNANSWERED.match(str(error)):
         return "unreachable"
@@ -360,20 +344,20 @@ _TENSORSTORE_UNANSWERED = re.compile(
 )
 
 
-def _status(error: BaseException) -> tuple[int | None, str | None]:
+def status(error: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status and the store's error code an error carries, if any."""
     response = getattr(error, "response", None)
-    if _is(error, "botocore.exceptions", "ClientError") and isinstance(response, dict):
+    if is_one(error, "botocore.exceptions", "ClientError") and isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return status, response.get("Error", {}).get("Code")
-    if _is(error, "google.api_core.exceptions", "GoogleAPICallError"):
+    if is_one(error, "google.api_core.exceptions", "GoogleAPICallError"):
         return getattr(error, "code", None), None
-    if _is(error, "gcsfs.retry", "HttpError"):
+    if is_one(error, "gcsfs.retry", "HttpError"):
         return getattr(error, "code", None), None
     return None, None
 
 
-def _is(error: BaseException, module: str, *names: str) -> bool:
+def is_one(error: BaseException, module: str, *names: str) -> bool:
     """An instance of one of `module`'s classes `names`; False if it was never imported
     (then nothing raised one)."""
     found = sys.modules.get(module)

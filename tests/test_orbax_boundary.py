@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import jaxckpt
-from jaxckpt import _internals, _orbax
+from jaxckpt import _internals, _orbax, _retries, _store_errors
 
 
 def test_the_managers_checkpointer_is_there_to_wait_for(tmp_path):
@@ -165,13 +165,15 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
             "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
             f"(or their GCS driver changed): update _internals._object_kvstores. Got {spec}"
         )
-    # Each store's driver tries a request 3 times, not tensorstore's 32 (issue 49).
+    # Each store's driver tries a request again for the give-up time (_retries), not
+    # tensorstore's 32 times up to 32 s apart (issue 49), nor 3 times (issue 64).
+    wanted = json.dumps(_retries.tensorstore_retries(_store_errors.give_up_s()))
     for url, retries in (
         ("s3://b/k", "s3_request_retries"),
         ("gs://bucket/k", "gcs_request_retries"),
     ):
         spec = json.dumps(tensorstore_utils.build_kvstore_tspec(url, use_ocdbt=True))
-        assert f'"context": {{"{retries}": {{"max_retries": 3' in spec, spec
+        assert f'"context": {{"{retries}": {wanted}' in spec, spec
 
 
 def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
