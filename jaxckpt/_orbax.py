@@ -561,17 +561,17 @@ class OrbaxStore:
         own = self.own_steps()
         doomed = choose(own)
         kept = {s: self.step_dir(s) for s in own if s not in doomed}
+        users = {s: self._sharing.users(s, kept) for s in doomed}
         plan = Deletions(
-            deleted=tuple(s for s in doomed if not self._sharing.users(s, kept)),
-            retired=tuple(s for s in doomed if self._sharing.users(s, kept)),
+            deleted=tuple(s for s in doomed if not users[s]),
+            retired=tuple(s for s in doomed if users[s]),
             freed=tuple(self._sharing.unneeded(self._retired, kept)),
         )
-        for step in plan.deleted:
-            log.info("deleting step %d from %s", step, self.directory)
-        for step in plan.retired:
-            log.info(
-                "step %d retired: step(s) %s share its bytes", step, self._sharing.users(step, kept)
-            )
+        for step in doomed:
+            if users[step]:
+                log.info("step %d retired: step(s) %s share its bytes", step, users[step])
+            else:
+                log.info("deleting step %d from %s", step, self.directory)
         for step in plan.freed:
             log.info("deleting retired step %d: no kept step shares its bytes", step)
         return plan

@@ -47,6 +47,8 @@ from jaxckpt.errors import (
     CorruptCheckpointError,
     JaxckptError,
     NoCheckpointError,
+    ProcessesDisagreeError,
+    ProcessesMissingError,
     RestoreError,
     StepNotFoundError,
 )
@@ -250,7 +252,9 @@ class Reader:
         are agreed), decided by process 0 from what each met: read again (`_DELETED`: the
         step was deleted meanwhile, as its listing says, unless a store failed the read:
         it is not asked again), pass over it (`_DAMAGED`: every process found it corrupt),
-        or raise."""
+        or raise: at once where the processes no longer agree (one is missing)."""
+        if isinstance(error, ProcessesMissingError | ProcessesDisagreeError):
+            return "raise"
         if store_failed(self.directory, error):
             met = "store"
         else:

@@ -1,6 +1,8 @@
-"""The jobs of tests/test_agreements.py: a multi-process job whose processes meet the store
-at uneven times (random delays at every storage seam, each process its own), saving many
-steps under retention, then every kept step restored and compared bitwise."""
+"""The jobs of tests/test_agreements.py (and reliability.chaos's): a job whose processes
+meet the store at uneven times (random delays at every storage seam, each process its own)
+saving many steps under retention, then every kept step restored and compared bitwise;
+processes making different calls; process 0's decisions and refusals; a restore where one
+process reads slower than the others."""
 
 import random
 import time
