@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import uuid
@@ -100,6 +101,7 @@ def flaky_trials(trials: int) -> list[tuple[str, int, str]]:
             continue
         failures, faults = [], 0
         with tempfile.TemporaryDirectory(prefix="jaxckpt-flaky-") as tmp:
+            os.environ.update(module.LOOPBACK_ENV)  # (before a client is made: buckets')
             proc, url = module.start(Path(tmp) / "server.log")
             try:
                 for i in range(trials):
@@ -109,8 +111,8 @@ def flaky_trials(trials: int) -> list[tuple[str, int, str]]:
                             "saves": SAVES,
                             "keep_last": 3,
                         }
-                        try:
-                            env = module.point_at(proxy.url)
+                        try:  # (every other endpoint kept on loopback: LOOPBACK_ENV)
+                            env = module.LOOPBACK_ENV | module.point_at(proxy.url)
                             (report,) = run_job(
                                 "children.flaky_store.saves_through_faults", 1, args, env
                             )
