@@ -16,10 +16,11 @@ process saved) holds a piece of the same leaf, dtype, shape and bounds and eithe
   bytes than a damaged file is to pass `verify`.
 
 The entry of such a piece names the step whose folder holds its bytes (the one that wrote
-them: a reference never leads to another), and `<step>/jaxckpt/shares.json` lists those
-steps. Retention never deletes a step a kept step shares bytes with: it retires it instead
-(`<step>.jaxckpt-retired` beside it: out of every listing, its files kept) and deletes it
-once no kept step shares its bytes (`referenced`).
+them: a reference never leads to another), and `<step>/jaxckpt/shares.json` summarises those
+steps for a reader's listing. Retention never deletes a step a kept step shares bytes with,
+as its index says (`Sharing`, `needs`: a step whose index cannot be read needs every
+earlier one): it retires it instead (`<step>.jaxckpt-retired` beside it: out of every
+listing, its files kept) and deletes it once no kept step shares its bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -51,11 +52,16 @@ Key = tuple[str, str, Bounds]  # item, leaf name, bounds
 class SavedPieces:
     """The newest committed step this process saved incrementally, as this process wrote
     it: each piece's entry where its bytes are (`[offset, xxh3-128, owner step, file]`),
-    and the arrays it saved (weakly: the base keeps none alive)."""
+    and the arrays it saved (weakly: the base keeps none alive). A base seeded from disk
+    (`seeded`) also holds `unproven`: its pieces whose bytes no one read back since, each
+    read back (and checked against its XXH3-128) the first time a save would refer to it,
+    by `reader` (`_packed_read.PackedStep`)."""
 
     step: int
     pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]]
     arrays: dict[tuple[str, str], weakref.ref]
+    unproven: dict[Key, _packed_index.Piece] = dataclasses.field(default_factory=dict)
+    reader: Any = None
 
     def same(self, item: str, name: str, value: Any, bounds: Iterable[Bounds]) -> bool:
         """Whether `value` is the very array the base saved as this leaf, each of these
@@ -73,10 +79,22 @@ class SavedPieces:
         self, item: str, name: str, dtype: np.dtype, shape: tuple[int, ...], bounds: Bounds
     ) -> list | None:
         """The entry of the base's piece of this leaf and bounds, if it has one of this
-        dtype and shape."""
-        found = self.pieces.get((item, name, bounds))
+        dtype and shape whose bytes are known to be there, whole (`unproven`: read back
+        first; a piece that is not is written again)."""
+        key = (item, name, bounds)
+        found = self.pieces.get(key)
         if found is None or found[0] != dtype or found[1] != shape:
             return None
+        if (piece := self.unproven.pop(key, None)) is not None:
+            try:
+                self.reader.check_sizes({piece.source()})
+                self.reader.read_pieces([piece])  # (each checked against its XXH3-128)
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "step %d: %s/%s is written again, not referred to: %s", self.step, item, name, e
+                )
+                del self.pieces[key]
+                return None
         return found[2]
 
     def next(
@@ -117,15 +135,22 @@ def empty(step: int) -> SavedPieces:
 
 
 def seeded(
-    directory: epath.Path, committed: Iterable[int], saving: int, codec: str | None = None
+    directory: epath.Path,
+    committed: Iterable[int],
+    saving: int,
+    codec: str | None = None,
+    retired: Iterable[int] = (),
 ) -> SavedPieces | None:
     """The base of a save of step `saving` by a process with none (a restarted job, or its
     base deleted): this process's pieces of the newest `committed` step before it, as its
     own index lists them (their XXH3-128s and where their bytes are), and no arrays. The
-    save then writes only the pieces whose bytes changed since, found by their digests.
-    None (a full save) where there is no such step, it is not an incremental step this
-    process wrote in a job of as many processes with this `codec`, or its index or a file
-    that index places pieces in is not what jaxckpt writes."""
+    save then writes only the pieces whose bytes changed since, found by their digests,
+    and refers to none it did not read back first (`SavedPieces.held`): an index says what
+    was written, not what is there now. None (a full save) where there is no such step, it
+    is not an incremental step this process wrote in a job of as many processes with this
+    `codec`, its index or a file it places pieces in is not what jaxckpt writes, or it
+    places pieces in a step that is neither committed nor `retired` (gone, or a link)."""
+    committed = list(committed)
     earlier = [s for s in committed if s < saving]
     if not earlier:
         return None
@@ -143,14 +168,20 @@ def seeded(
     except (OSError, ValueError) as e:
         log.debug("step %d is no base for an incremental save: %s", step, e)
         return None
+    known = {*committed, *retired}
+    if any(p.owner is not None and p.owner not in known for p in every):
+        log.debug("step %d is no base: it places pieces in a step no listing shows", step)
+        return None
     own = _layout.packed_files(process, processes)[0]
     found: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
+    unproven: dict[Key, _packed_index.Piece] = {}
     for item, name, dtype, shape, pieces in leaves:
         for p in pieces:
             owner = step if p.owner is None else p.owner
             place = p.offset if p.stored is None else [p.offset, p.stored]
             found[(item, name, p.bounds)] = (dtype, shape, [place, p.digest, owner, p.file or own])
-    return SavedPieces(step, found, {})
+            unproven[(item, name, p.bounds)] = p
+    return SavedPieces(step, found, {}, unproven, packed)
 
 
 def shares_of(entries: Iterable[Mapping[str, Any]]) -> list[int]:
@@ -167,23 +198,44 @@ def shares_of(entries: Iterable[Mapping[str, Any]]) -> list[int]:
     return sorted(owners)
 
 
+def _shares_problems(step_dir: epath.Path, owners: frozenset[int]) -> list[str]:
+    """Whether `shares.json` says what the index does (`owners`): a summary that disagrees
+    would mislead a reader of the listing."""
+    try:
+        listed = read_shares(step_dir)
+    except (OSError, ValueError) as e:
+        return [f"{SHARES_PATH} is unreadable: {e}"]
+    if listed is None:
+        return [f"{SHARES_PATH} is missing"] if owners else []
+    if listed != owners:
+        return [
+            f"{SHARES_PATH} names step(s) {sorted(listed) or 'none'}, but the packed index "
+            f"refers to step(s) {sorted(owners) or 'none'}"
+        ]
+    return []
+
+
 def write_shares(step_dir: epath.Path, steps: Iterable[int]) -> None:
     """The step's `shares.json`: the steps whose bytes it refers to (before its manifest,
     which covers it)."""
     (step_dir / SHARES_PATH).write_text(json.dumps({"steps": sorted(set(steps))}))
 
 
-def read_shares(step_dir: epath.Path) -> frozenset[int]:
-    """The steps a committed step shares bytes with (none for a step without the file: one
-    not saved incrementally). A file that is not what jaxckpt writes shares nothing named
-    (ValueError: retention keeps what it cannot read, `referenced`)."""
+def read_shares(step_dir: epath.Path) -> frozenset[int] | None:
+    """The steps a committed step's `shares.json` names (None without the file: a step not
+    saved incrementally, or one that lost it); ValueError (OSError for a file of a size no
+    summary has) for a file that is not what jaxckpt writes. A summary for listings and
+    `verify`: what a step needs is its index's (`needs`)."""
     try:
         size = file_sizes(step_dir / _layout.META_DIR).get("shares.json")
     except FileNotFoundError:
-        return frozenset()
+        return None
     if size is None:
-        return frozenset()
-    doc = json.loads(read_small(step_dir / _layout.META_DIR, "shares.json", size))
+        return None
+    try:
+        doc = json.loads(read_small(step_dir / _layout.META_DIR, "shares.json", size))
+    except RecursionError:
+        raise ValueError(f"{step_dir / SHARES_PATH} is nested too deeply") from None
     steps = doc.get("steps") if type(doc) is dict else None
     if type(steps) is not list or not all(type(s) is int and s >= 0 for s in steps):
         raise ValueError(f"{step_dir / SHARES_PATH} is not a list of steps")
@@ -191,22 +243,27 @@ def read_shares(step_dir: epath.Path) -> frozenset[int]:
 
 
 class Sharing:
-    """Which committed steps share bytes with which: each step's `shares.json` read once
-    (a committed step's never changes; `forget` a step that leaves the listing)."""
+    """Which committed steps share bytes with which, from each step's packed index: the
+    authority (`needs`), read once a step (a committed step's never changes; `forget` one
+    that leaves the listing). `describe(step)` is the step's `StepInfo`. A step whose
+    metadata or index cannot be read needs every earlier step (logged): retention keeps
+    what it cannot tell, and never deletes on a missing or damaged summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, describe: Callable[[int], _layout.StepInfo]) -> None:
+        self._describe = describe
         self._shares: dict[tuple[epath.Path, int], frozenset[int]] = {}
 
     def of(self, step: int, step_dir: epath.Path) -> frozenset[int]:
-        """The steps `step` shares bytes with; every earlier one where that cannot be read
-        (logged): what it needs is kept."""
+        """The steps `step` shares bytes with."""
         key = (step_dir, step)
         if key not in self._shares:
             try:
-                self._shares[key] = read_shares(step_dir)
+                info = self._describe(step)
+                found = needs(step_dir, step, info.process_count or 1) if info.packed else None
             except (OSError, ValueError) as e:
                 log.warning("could not read which steps step %d shares bytes with: %s", step, e)
                 return frozenset(range(step))
+            self._shares[key] = found or frozenset()
         return self._shares[key]
 
     def users(self, step: int, kept: Mapping[int, epath.Path]) -> list[int]:
@@ -222,22 +279,32 @@ class Sharing:
         self._shares = {k: v for k, v in self._shares.items() if k[1] != step}
 
 
+def needs(step_dir: epath.Path, step: int, processes: int) -> frozenset[int]:
+    """The earlier steps whose folders hold bytes the committed step `step` reads: the
+    owners its packed index (every process's) names for its pieces. The index is what a
+    read follows; `shares.json` only summarises it, for a reader's listing. OSError or
+    ValueError where the index cannot be read whole."""
+    packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes)
+    return frozenset(p.owner for p in packed.pieces() if p.owner not in (None, step))
+
+
 VERIFY_BATCH_BYTES = 64 * 2**20  # of shared pieces read (and checked) at once
 
 
 def verify_shared(step_dir: epath.Path, processes: int) -> list[str]:
-    """The problems of the bytes a step shares with earlier ones (`shares.json`): each
-    piece its index places in another step's folder read and checked against its XXH3-128,
-    a batch at a time. Their own files each step's manifest covers; here a piece damaged
-    there is named again, for every step that uses it."""
-    if not read_shares(step_dir):
-        return []
+    """The problems of the bytes a step shares with earlier ones, as its packed index
+    places them: each piece in another step's folder read and checked against its
+    XXH3-128, a batch at a time (their own files each step's manifest covers; here a piece
+    damaged there is named again, for every step that uses it); and `shares.json` checked
+    against the index it summarises."""
+    if not (step_dir / _layout.PACKED).exists():
+        return []  # (a step that packs nothing: Orbax's arrays only)
     try:
         packed = _packed_read.PackedStep(step_dir / _layout.PACKED, processes)
         shared = [p for p in packed.pieces() if p.owner not in (None, packed.step)]
     except (OSError, ValueError) as e:
         return [f"{_layout.PACKED}/: {e}"]
-    problems: list[str] = []
+    problems = _shares_problems(step_dir, frozenset(p.owner for p in shared if p.owner is not None))
     batch: list[_packed_index.Piece] = []
     for piece in [*shared, None]:
         if piece is not None:

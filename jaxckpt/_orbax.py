@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -135,7 +136,7 @@ class OrbaxStore:
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
         self._incremental = incremental
-        self._sharing = _incremental.Sharing()  # which steps share bytes with which
+        self._sharing = _incremental.Sharing(self.info)  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
@@ -361,8 +362,11 @@ class OrbaxStore:
                     leaves, ocdbt_target_data_file_size=_orbax_items.data_file_bytes(leaves)
                 )
         if self._incremental and self._packed_handler.base is None:  # (a restarted job's)
+            # the whole directory listed, once: the steps the base's pieces are in must be
+            # committed (or retired) steps of it, which a newest-only listing does not show
+            listing = self.scan()
             self._packed_handler.base = _incremental.seeded(
-                self.directory, self.listed, step, self._packed_handler.codec
+                self.directory, listing.committed, step, self._packed_handler.codec, listing.retired
             )
         if any(small.values()):
             incremental = step if self._incremental else None
@@ -438,13 +442,16 @@ class OrbaxStore:
     def _record_shares(self, folder: epath.Path, step: int, indexes: list[Any]) -> None:
         """An incremental step's `shares.json` (every process's references: the merged
         indexes, or this one process's base); the save fails if a step it shares bytes with is
-        gone (deleted since the base was saved): the step would never restore."""
+        gone (deleted since the base was saved) or is a link out of the directory: the step
+        would never restore, or restore from bytes jaxckpt does not keep."""
         made = self._packed_handler.made
         if indexes:
             shares = set(_incremental.shares_of(indexes)) - {step}
         else:
             shares = made.owners() - {step} if made is not None else set()
-        gone = sorted(s for s in shares if not self.step_dir(s).is_dir())
+        gone = sorted(
+            s for s in shares if os.path.islink(self.step_dir(s)) or not self.step_dir(s).is_dir()
+        )
         if gone:
             raise RuntimeError(  # the save's background error: SaveError names it
                 f"step {step} shares bytes with step(s) {gone} of {self.directory}, which are "

@@ -23,6 +23,7 @@ from jaxckpt._packed_index import Bounds, Piece, is_compressed, leaf_entry
 from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of, within
 from jaxckpt._tree import ReadRequest
+from jaxckpt.errors import ShardingError
 
 _MERGE_GAP = 2**20  # pieces fewer bytes apart than this are read in one request
 DECODERS = min(4, os.cpu_count() or 1)  # threads decoding a leaf's frames (`read_sharded`)
@@ -351,11 +352,20 @@ class PackedStep:
             for piece in pieces:
                 if piece.stored is None:
                     self._read_into(piece, dtype, regions)
-        arrays = [
-            jax.device_put(regions[bounds_of(index, shape)], device)  # type: ignore[arg-type]
-            for device, index in placement.items()
-        ]
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        try:  # (in the target's memory kind: a host-offloaded leaf's pinned_host, say)
+            arrays = [
+                jax.device_put(
+                    regions[bounds_of(index, shape)],  # type: ignore[arg-type]
+                    jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind),
+                )
+                for device, index in placement.items()
+            ]
+            return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        except ValueError as e:  # the target's placement, not the step's files
+            raise ShardingError(
+                f"{item} leaf {name!r} could not be placed onto its target's sharding "
+                f"{sharding}: {e}"
+            ) from e
 
     def _read_into(self, piece: Piece, dtype: np.dtype, regions: Mapping[Bounds, Any]) -> None:
         """A piece's bytes into each region it overlaps: straight into one of its bounds."""

@@ -48,9 +48,12 @@ def read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
 @contextlib.contextmanager
 def corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
     """A file that is not what jaxckpt writes (ValueError), or is missing, as the
-    CorruptCheckpointError it is."""
+    CorruptCheckpointError it is; jaxckpt's own errors (a target it cannot place onto:
+    `ShardingError`) as they are."""
     try:
         yield
+    except JaxckptError:
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
 

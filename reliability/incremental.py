@@ -9,7 +9,9 @@
   Every other trial's writer compresses (`compression="zstd"`), and so does its checker.
 * A shared file damaged: a byte of the frozen bytes flipped in the step that holds them;
   verify names the file for that step and for the step that uses it, and a restore of
-  either names it.
+  either names it; and a writer restarted after it writes those bytes again (issue 65).
+* A kept step's `shares.json` missing, emptied, swollen or nested deep: retention follows
+  the step's index, and verify names the summary (issue 65).
 """
 
 from __future__ import annotations
@@ -53,6 +55,20 @@ def trials(seed: int, kills: int) -> list[tuple[str, int, str]]:
             result,
         ),
         ("corruption: a byte of a file an incremental step shares", 1, shared_file_trial()),
+        (
+            "a kept step's shares.json, summarising which steps it reads: "
+            + ", ".join(SUMMARIES)
+            + "; then a restarted writer saves a step that shares nothing, under keep_last=2 "
+            "(step 2 alone reads step 1's bytes)",
+            len(SUMMARIES),
+            summaries_trial(),
+        ),
+        (
+            "a byte of the frozen bytes flipped, then a restarted writer saves: its save "
+            "would refer to them",
+            1,
+            restarted_after_damage_trial(),
+        ),
     ]
 
 
@@ -111,7 +127,7 @@ def check(directory: Path, compression: str | None = None) -> list[int]:
         kept = m.all_steps()
     assert kept[-2:] == [new, new + 1], kept
     assert not unfinished(directory), f"leftovers not cleaned: {unfinished(directory)}"
-    shared = set().union(*(_incremental.read_shares(directory / str(s)) for s in kept))
+    shared = set().union(*(_incremental.read_shares(directory / str(s)) or () for s in kept))
     retired = {
         int(p.name.split(".")[0]) for p in directory.iterdir() if p.name.endswith("-retired")
     }
@@ -153,3 +169,97 @@ def shared_file_trial() -> str:
     if own and shared and named == 2:
         return "detected by verify for the step that holds it and the step that uses it; each restore names it"
     return f"FAILED (verify: own {own}, shared {shared}; restores naming it: {named} of 2)"
+
+
+SUMMARIES = ("missing", "emptied", "swollen to 1.5 GiB", "nested 100,000 deep")
+
+
+def _summary(d: Path, kind: str) -> None:
+    import os
+
+    shares = d / "jaxckpt" / "shares.json"
+    if kind == "missing":
+        shares.unlink()
+    elif kind == "emptied":
+        shares.write_text(json.dumps({"steps": []}))
+    elif kind.startswith("swollen"):
+        os.truncate(shares, 3 * 2**29)  # sparse
+    else:
+        shares.write_text('{"steps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+def summaries_trial() -> str:
+    """Each damaged summary of step 2 (which reads step 1's frozen bytes): retention after
+    step 3 (which shares nothing) with keep_last=2 must retire step 1, not delete it; step 2
+    restores bitwise, and verify names the summary."""
+    import jaxckpt
+
+    failures = []
+    for kind in SUMMARIES:
+        with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
+            d = Path(tmp)
+            base = frozen(2**19)
+            with jaxckpt.CheckpointManager(d, incremental=True) as m:
+                for step in (1, 2):
+                    m.save(step, state={"x": expected(step)[:4096], "frozen": base})
+                    m.wait()
+            _summary(d / "2", kind)
+            keep = jaxckpt.RetentionPolicy(keep_last=2)
+            with jaxckpt.CheckpointManager(d, incremental=True, retention=keep) as m:
+                m.save(3, state={"x": expected(3)[:4096], "frozen": base + 1})
+                m.wait()
+                kept = m.all_steps()
+            try:
+                with jaxckpt.CheckpointManager(d, read_only=True, verify_on_restore=False) as m:
+                    got = m.restore(2, state={"x": np.zeros(4096, np.float32), "frozen": base})
+                exact = np.array_equal(got.state["frozen"], base)
+            except jaxckpt.errors.JaxckptError as e:
+                exact = False
+                failures.append(f"{kind}: step 2 did not restore ({type(e).__name__}: {e})")
+            named = any(
+                "shares.json" in p for r in jaxckpt.verify(d) if r.step == 2 for p in r.problems
+            )
+            if not (kept == [2, 3] and (d / "1").is_dir() and exact and named):
+                failures.append(
+                    f"{kind}: kept {kept}, step 1 {'kept' if (d / '1').is_dir() else 'deleted'}, "
+                    f"step 2 bitwise {exact}, verify named the summary {named}"
+                )
+    if failures:
+        return f"FAILED {len(failures)}: " + "; ".join(failures[:3])
+    return (
+        "retention follows each step's index: step 1 retired, step 2 restores bitwise; "
+        "verify names the summary (missing, disagreeing with the index, unreadable)"
+    )
+
+
+def restarted_after_damage_trial() -> str:
+    """Step 1 holds the frozen bytes, step 2 refers to them; a byte of them is flipped; a
+    new writer saves step 3: it must write those bytes again (it reads back what it would
+    refer to) and restore bitwise, with verify finding step 3 clean."""
+    import jaxckpt
+
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
+        d = Path(tmp)
+        base = frozen(2**19)
+        with jaxckpt.CheckpointManager(d, incremental=True) as m:
+            for step in (1, 2):
+                m.save(step, state={"x": expected(step)[:4096], "frozen": base})
+                m.wait()
+        index = json.loads((d / "1" / "packed" / "0-of-1.json").read_text())
+        at = index["leaves"]["state"]["frozen"]["pieces"][0][0] + 100
+        data = d / "1" / "packed" / "0-of-1.bin"
+        raw = bytearray(data.read_bytes())
+        raw[at] ^= 0x01
+        data.write_bytes(bytes(raw))
+        with jaxckpt.CheckpointManager(d, incremental=True) as m:
+            m.save(3, state={"x": expected(3)[:4096], "frozen": base})
+        try:
+            with jaxckpt.CheckpointManager(d, read_only=True) as m:
+                got = m.restore(3, state={"x": np.zeros(4096, np.float32), "frozen": base})
+            exact = np.array_equal(got.state["frozen"], base)
+        except jaxckpt.errors.JaxckptError as e:
+            return f"FAILED: step 3 did not restore ({type(e).__name__}: {e})"
+        clean = {r.step: r.ok for r in jaxckpt.verify(d)}.get(3)
+    if exact and clean:
+        return "the new writer wrote the damaged bytes again: step 3 verifies and restores bitwise"
+    return f"FAILED (step 3 bitwise {exact}, verifies {clean})"

@@ -461,6 +461,131 @@ def test_a_fresh_manager_never_deletes_bytes_an_older_kept_step_shares(mesh, ckp
     assert (ckpt_dir / "0.jaxckpt-retired").exists()
 
 
+def test_a_restarted_job_never_refers_to_bytes_damaged_since(mesh, ckpt_dir):
+    # Before: the restarted job took step 2's index as proof that step 0's file still held
+    # the base; step 3 referred to the flipped byte and never restored.
+    base = _saved(mesh, ckpt_dir, steps=3)
+    place = _first_piece(_index(ckpt_dir, 0)[1])[0]
+    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
+        f.seek(place + 1000)
+        byte = f.read(1)
+        f.seek(place + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
+        m.save(3, state={"base": base, "adapters": _adapters(mesh, 3)})
+    assert _shares(ckpt_dir, 3) == [0]  # the other pieces, read back whole, referred to
+    # the damaged piece (one of 32) written again, the rest not
+    assert BASE_BYTES / 32 <= _own_bytes(ckpt_dir, 3) < BASE_BYTES / 4
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
+
+
+def test_a_restarted_job_never_refers_to_a_step_linked_out_of_the_directory(
+    mesh, ckpt_dir, tmp_path
+):
+    # Before: step 3 referred to step 0, a link to a folder elsewhere; keep_last=1 deleted
+    # steps 1 and 2, and the one step left raised RestoreError.
+    base = _saved(mesh, ckpt_dir, steps=3)
+    elsewhere = tmp_path / "elsewhere"
+    (ckpt_dir / "0").rename(elsewhere)
+    (ckpt_dir / "0").symlink_to(elsewhere)
+    with jaxckpt.CheckpointManager(
+        ckpt_dir, incremental=True, retention=jaxckpt.RetentionPolicy(keep_last=1)
+    ) as m:
+        m.save(3, state={"base": base, "adapters": _adapters(mesh, 3)})
+        m.wait()
+        assert m.all_steps() == [3]
+    assert _shares(ckpt_dir, 3) == [] and _own_bytes(ckpt_dir, 3) > BASE_BYTES
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
+
+
+def _rewrite_manifest(ckpt_dir, step):
+    """The step's manifest made to agree with its files as they are now (a summary edited
+    by hand or by a tool: no checksum then says anything is wrong)."""
+    from jaxckpt import _integrity
+
+    folder = ckpt_dir / str(step)
+    manifest = json.loads((folder / "jaxckpt" / "manifest.json").read_text())
+    for rel in list(manifest["files"]):
+        if not (folder / rel).exists():
+            del manifest["files"][rel]
+            continue
+        size, found = _integrity.digest(folder, rel)
+        manifest["files"][rel].update(size=size, **{_integrity.HASH: found})
+    (folder / "jaxckpt" / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("summary", ["missing", "emptied", "emptied, manifest agreeing"])
+def test_retention_follows_the_index_not_its_summary(mesh, ckpt_dir, summary):
+    # Before: a missing shares.json read as "shares nothing", and retention deleted step 0,
+    # whose bytes step 2 reads ("0/packed/0-of-1.bin ... is missing").
+    base = _saved(mesh, ckpt_dir, steps=3)
+    shares = ckpt_dir / "2" / "jaxckpt" / "shares.json"
+    if summary == "missing":
+        shares.unlink()
+    else:
+        shares.write_text(json.dumps({"steps": []}))
+    if summary.endswith("agreeing"):
+        _rewrite_manifest(ckpt_dir, 2)
+    new_base = {k: v + 1 for k, v in base.items()}  # step 3 shares nothing: step 2 alone needs 0
+    with jaxckpt.CheckpointManager(
+        ckpt_dir, incremental=True, retention=jaxckpt.RetentionPolicy(keep_last=2)
+    ) as m:
+        m.save(3, state={"base": new_base, "adapters": _adapters(mesh, 3)})
+        m.wait()
+        assert m.all_steps() == [2, 3]
+        assert (ckpt_dir / "0").is_dir() and (ckpt_dir / "0.jaxckpt-retired").exists()
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m:
+        _assert_bitwise(m.restore(2, state={"base": base}, partial=True).state["base"], base)
+
+
+@pytest.mark.parametrize("summary", ["missing", "emptied, manifest agreeing"])
+def test_rm_and_verify_follow_the_index_not_its_summary(mesh, ckpt_dir, summary):
+    base = _saved(mesh, ckpt_dir, steps=3)
+    shares = ckpt_dir / "2" / "jaxckpt" / "shares.json"
+    if summary == "missing":
+        shares.unlink()
+    else:
+        shares.write_text(json.dumps({"steps": []}))
+        _rewrite_manifest(ckpt_dir, 2)
+    problems = " ".join({r.step: r for r in jaxckpt.verify(ckpt_dir)}[2].problems)
+    want = "jaxckpt/shares.json is missing" if summary == "missing" else "refers to step(s) [0]"
+    assert want in problems, problems
+    result = CliRunner().invoke(main, ["ls", "--json", str(ckpt_dir)])
+    rows = {r["step"]: r for r in json.loads(result.output)["steps"]}
+    assert rows[2]["shares"] == [0], rows[2]  # as the index says
+    for step in (1, 0):
+        result = CliRunner().invoke(main, ["rm", str(ckpt_dir), str(step)])
+        assert result.exit_code == 0, result.output
+    assert (ckpt_dir / "0").is_dir()  # retired: step 2 reads its bytes
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m:
+        _assert_bitwise(m.restore(2, state={"base": base}, partial=True).state["base"], base)
+
+
+@pytest.mark.parametrize("kind", ["swollen", "nested"])
+def test_a_hostile_summary_is_a_problem_verify_names_and_retention_survives(mesh, ckpt_dir, kind):
+    # Before: a raw SizeError from verify (swollen), a raw RecursionError from retention,
+    # ls and verify (nested).
+    base = _saved(mesh, ckpt_dir, steps=2)
+    shares = ckpt_dir / "1" / "jaxckpt" / "shares.json"
+    if kind == "swollen":
+        os.truncate(shares, 3 * 2**29)  # 1.5 GiB, sparse
+    else:
+        shares.write_text('{"steps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    problems = " ".join({r.step: r for r in jaxckpt.verify(ckpt_dir)}[1].problems)
+    assert "jaxckpt/shares.json" in problems, problems
+    result = CliRunner().invoke(main, ["ls", str(ckpt_dir)])
+    assert result.exit_code == 0, result.output
+    with jaxckpt.CheckpointManager(
+        ckpt_dir, incremental=True, retention=jaxckpt.RetentionPolicy(keep_last=1)
+    ) as m:
+        m.save(2, state={"base": base, "adapters": _adapters(mesh, 2)})
+        m.wait()  # (retention deletes step 1, whose summary it needs no longer read)
+        assert m.all_steps() == [2] and (ckpt_dir / "0.jaxckpt-retired").exists()
+        _assert_bitwise(m.restore(2, state={"base": base}, partial=True).state["base"], base)
+
+
 def test_a_large_step_spreads_its_pieces_over_files_written_at_once(mesh, ckpt_dir):
     # 136 MiB of pieces: two data files (a new file's blocks are slow to come: several are
     # written at once), each piece read back from the one that holds it

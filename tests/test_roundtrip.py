@@ -764,3 +764,34 @@ def test_zstd_compression_is_smaller_on_disk_and_restores_anywhere(mesh, ckpt_di
             assert_tree_bitwise(m.restore(step, state=jaxckpt.target_like(state)).state, state)
     assert state_bytes(1) * 10 < state_bytes(2)
     assert state_bytes(2) > 256 * 1024 * 4  # raw: at least the array's bytes
+
+
+@pytest.mark.parametrize(
+    ("saved", "target"),
+    [("pinned_host", "pinned_host"), ("pinned_host", "device"), ("device", "pinned_host")],
+)
+@pytest.mark.parametrize("incremental", [None, False], ids=["default", "incremental=False"])
+def test_leaves_in_host_memory_restore_onto_any_memory_kind_and_mesh(
+    mesh, ckpt_dir, saved, target, incremental
+):
+    # Before: a leaf above 1 MiB kept in pinned_host memory (host offload) saved, but its
+    # restore onto a pinned_host target raised CorruptCheckpointError ("Memory kind
+    # mismatch"), and fallback=True then passed over every healthy step.
+    big = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)  # 2 MiB: by shard
+    small = np.arange(64, dtype=np.float32).reshape(8, 8)  # packed whole
+    on = NamedSharding(mesh, P("data", "model"), memory_kind=saved)
+    state = {"big": jax.device_put(big, on), "small": jax.device_put(small, on)}
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=incremental) as m:
+        m.save(1, state=state)
+    other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    for where in (mesh, other):
+        sharding = NamedSharding(where, P("data", "model"), memory_kind=target)
+        wanted = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in state.items()
+        }
+        with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+            for fallback in (False, True):
+                got = m.restore(state=wanted, fallback=fallback).state
+                for k, v in {"big": big, "small": small}.items():
+                    assert got[k].sharding.memory_kind == target, (k, got[k].sharding)
+                    assert np.asarray(got[k]).tobytes() == v.tobytes(), k

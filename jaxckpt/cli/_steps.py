@@ -68,7 +68,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
                     processes = infos[0].process_count or 1
                     ok = report.ok and not _incremental.verify_shared(folder, processes)
                     status = "verified" if ok else "CORRUPT"
-            shares = [] if orbax else sorted(_shares(listing.folders[step]))
+            shares = [] if orbax else sorted(_shares(listing.folders[step], step, infos[0]))
             if shares:
                 status += f"; shares bytes with step(s) {', '.join(map(str, shares))}"
             size, files = disk_usage(ckpt.folder(step))
@@ -117,12 +117,15 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     )
 
 
-def _shares(folder) -> frozenset[int]:
-    """The steps a step shares bytes with (none where that cannot be read: verify says why)."""
+def _shares(folder, step: int, info) -> frozenset[int]:
+    """The steps a step shares bytes with, as its packed index says (none where that cannot
+    be read: verify says why)."""
     from jaxckpt import _incremental
 
+    if not info.packed:
+        return frozenset()
     try:
-        return _incremental.read_shares(folder)
+        return _incremental.needs(folder, step, info.process_count or 1)
     except (OSError, ValueError):
         return frozenset()
 
