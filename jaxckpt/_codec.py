@@ -20,6 +20,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import zstandard
 
+from jaxckpt._damage import Damaged
+
 ZSTD = "zstd"
 # Level 1: float weights shrink as much as at Orbax's level 3 (0.926x of random normal
 # float32, 0.78x bfloat16) at 1.6x the rate (610 vs 380 MiB/s a core here).
@@ -56,9 +58,9 @@ def decompress_into(source: Any, out: memoryview, where: str) -> None:
             got += n
         more = reader.read(1)
     except zstandard.ZstdError as e:
-        raise ValueError(f"{where} is not a zstd frame jaxckpt wrote (damaged?): {e}") from None
+        raise Damaged(f"{where} is not a zstd frame jaxckpt wrote (damaged?): {e}") from None
     if got != len(out) or more:
-        raise ValueError(
+        raise Damaged(
             f"{where} decompresses to {'more' if more else got} bytes, not the piece's {len(out)}"
         )
 

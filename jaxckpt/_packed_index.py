@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxckpt import _codec
+from jaxckpt._damage import Damaged
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT
 from jaxckpt._tree import is_count, is_counts
 
@@ -66,7 +67,7 @@ def is_compressed(doc: Any, where: str) -> bool:
         and doc.get("codec", _codec.ZSTD) == _codec.ZSTD
         and ("codec" not in doc or doc["format"] == INCREMENTAL_FORMAT)
     ):
-        raise ValueError(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
+        raise Damaged(f"{where} is not an index of packed leaves (format {INDEX_FORMAT})")
     return "codec" in doc
 
 
@@ -82,10 +83,10 @@ def leaf_entry(
     shape = entry.get("shape") if type(entry) is dict else None
     pieces = entry.get("pieces") if type(entry) is dict else None
     if not (is_counts(shape) and type(pieces) is list and type(entry.get("dtype")) is str):
-        raise ValueError(f"{where} is not a packed leaf's entry")
+        raise Damaged(f"{where} is not a packed leaf's entry")
     dtype = _dtype(entry["dtype"])
     if dtype is None:
-        raise ValueError(f"{where}: {entry['dtype']!r} is not a dtype")
+        raise Damaged(f"{where}: {entry['dtype']!r} is not a dtype")
     shape = tuple(shape)
     out = []
     for piece in pieces:
@@ -97,12 +98,12 @@ def leaf_entry(
         bounds = _piece_bounds(piece, shape)
         if bounds is None:
             form = _PIECE_FORMS[_codec.ZSTD if compressed else version]
-            raise ValueError(f"{where}: a piece is not {form} within shape")
+            raise Damaged(f"{where}: a piece is not {form} within shape")
         offset = piece[0]
         nbytes = math.prod(b - a for a, b in bounds) * dtype.itemsize
         p = Piece(process, offset, bounds, nbytes, digest, owner, file, stored)
         if owner is None and offset + p.size > size:
-            raise ValueError(f"{where}: a piece ends past the file's {size} bytes")
+            raise Damaged(f"{where}: a piece ends past the file's {size} bytes")
         out.append(p)
     return dtype, shape, out
 

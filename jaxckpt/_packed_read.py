@@ -16,11 +16,12 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _codec
+from jaxckpt._damage import Damaged
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._packed_index import Bounds, Piece, is_compressed, leaf_entry
-from jaxckpt._storage import file_sizes, is_remote, open_inside, read_small
+from jaxckpt._storage import SizeError, file_sizes, is_remote, open_inside, read_small
 from jaxckpt._tiling import bounds_of, check_held, check_tiling, overlaps, regions_of, within
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import ShardingError
@@ -65,7 +66,7 @@ class PackedStep:
         for p, doc, where in indexes:
             self._add(p, doc, where)
         if not indexes:
-            raise ValueError(f"{PACKED}/ holds no process's index of packed leaves")
+            raise Damaged(f"{PACKED}/ holds no process's index of packed leaves")
 
     def _indexes(self, processes: int, parts: Sequence[int] | None) -> list[tuple]:
         """Each process's index, with where it was: from the merged index (`merge`) when
@@ -78,7 +79,7 @@ class PackedStep:
             ok = type(doc) is dict and doc.get("format") in (INDEX_FORMAT, INCREMENTAL_FORMAT)
             indexes = doc["indexes"] if ok and "indexes" in doc else None
             if type(indexes) is not list or len(indexes) != processes:
-                raise ValueError(
+                raise Damaged(
                     f"{PACKED}/{PACKED_INDEX} is not an index of {processes} processes' "
                     "packed leaves"
                 )
@@ -94,8 +95,8 @@ class PackedStep:
     def _load(self, rel: str) -> Any:
         try:
             return json.loads(read_small(self.folder, rel, self._present[rel], opener=self._open))
-        except (OSError, ValueError, RecursionError) as e:
-            raise ValueError(f"{PACKED}/{rel} is unreadable: {e}") from None
+        except (SizeError, ValueError, RecursionError) as e:  # (a store's failure: its own)
+            raise Damaged(f"{PACKED}/{rel} is unreadable: {e}") from None
 
     def _add(self, process: int, doc: Any, where: str) -> None:
         compressed = is_compressed(doc, where)
@@ -103,7 +104,7 @@ class PackedStep:
         spans: dict[tuple, list[tuple[int, int]]] = {}  # the bytes of each piece, by file
         for item, leaves in doc["leaves"].items():
             if not isinstance(leaves, dict):
-                raise ValueError(f"{where}: item {item!r} is not an object of leaves")
+                raise Damaged(f"{where}: item {item!r} is not an object of leaves")
             known = self._leaves.setdefault(item, {})
             for name, entry in leaves.items():
                 dtype, shape, pieces = leaf_entry(
@@ -124,7 +125,7 @@ class PackedStep:
                             )
                 if name in known:
                     if known[name][:2] != (dtype, shape):
-                        raise ValueError(f"{where}: {name!r} differs from another process's")
+                        raise Damaged(f"{where}: {name!r} differs from another process's")
                     known[name][2].extend(pieces)
                 else:
                     known[name] = (dtype, shape, pieces)
@@ -132,7 +133,7 @@ class PackedStep:
             found.sort()
             for (start, nbytes), (after, _) in itertools.pairwise(found):
                 if after < start + nbytes:  # one byte read as two elements: a leaf of copies
-                    raise ValueError(f"{where}: two pieces overlap at byte {after} of a file")
+                    raise Damaged(f"{where}: two pieces overlap at byte {after} of a file")
 
     def read(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, np.ndarray]:
         """The leaves `requests` names, on the host: each whole, or where this process's
@@ -167,10 +168,10 @@ class PackedStep:
         files: set[tuple] = set()
         for name, request in requests.items():
             if name not in leaves:
-                raise ValueError(f"{item} leaf {name!r} is not among the stored arrays")
+                raise Damaged(f"{item} leaf {name!r} is not among the stored arrays")
             dtype, shape, pieces = leaves[name]
             if shape != tuple(request.shape) or dtype != request.dtype:
-                raise ValueError(
+                raise Damaged(
                     f"{item} leaf {name!r} is stored with shape {shape} and dtype {dtype}, "
                     f"but {INFO_PATH} records shape {tuple(request.shape)} and dtype "
                     f"{request.dtype}"
@@ -213,13 +214,13 @@ class PackedStep:
                 rel = f"{owner}/{PACKED}/{name}"
                 real, claimed = self._owner_files(owner).get(name), self._claims[source]
             if real is None:
-                raise ValueError(
+                raise Damaged(
                     f"{PACKED}/{rel} is missing"
                     if owner is None
                     else f"{rel}, which holds pieces of this step, is missing"
                 )
             if real < claimed:
-                raise ValueError(
+                raise Damaged(
                     f"{'' if owner is not None else PACKED + '/'}{rel} holds {real} bytes, "
                     f"fewer than the {claimed} the index places pieces in"
                 )
@@ -270,7 +271,7 @@ class PackedStep:
                     view = np.empty(stop - start, np.uint8)
                     got = f.readinto(view.data)
                     if got != stop - start:
-                        raise ValueError(
+                        raise Damaged(
                             f"{where} ends at byte {start + got}, before the "
                             f"pieces its index places up to byte {stop}"
                         )
@@ -378,7 +379,7 @@ class PackedStep:
             if piece.stored is not None:  # straight from the file into its place
                 _codec.decompress_into(_codec.Span(f, piece.stored), view.data, _at(piece, where))
             elif (got := f.readinto(view.data)) != piece.nbytes:
-                raise ValueError(
+                raise Damaged(
                     f"{where} ends at byte {piece.offset + got}, before the piece its index "
                     f"places up to byte {piece.offset + piece.nbytes}"
                 )
@@ -402,7 +403,7 @@ def _at(piece: Piece, where: str) -> str:
 def _check(piece: Piece, data: Any, where: str) -> None:
     """ValueError unless `data` (the piece's bytes) match the piece's digest."""
     if piece.digest and _digest(data, piece.digest) != piece.digest:
-        raise ValueError(
+        raise Damaged(
             f"{where}: the {piece.nbytes} bytes at byte {piece.offset} do "
             "not match their checksum in the index (the file is damaged)"
         )

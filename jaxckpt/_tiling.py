@@ -10,6 +10,7 @@ import bisect
 import math
 from typing import Any
 
+from jaxckpt._damage import Damaged
 from jaxckpt._layout import PACKED
 from jaxckpt._tree import ReadRequest
 
@@ -38,7 +39,7 @@ def check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[Any]
     boxes = [p.bounds for p in pieces if all(a < b for a, b in p.bounds)]
     held = sum(math.prod(b - a for a, b in box) for box in boxes)
     if held != size:
-        raise ValueError(
+        raise Damaged(
             f"{PACKED}/: the pieces of {item} leaf {name!r} hold {held} of its {size} "
             "elements (a process's files are missing or damaged)"
         )
@@ -51,7 +52,7 @@ def check_tiling(item: str, name: str, shape: tuple[int, ...], pieces: list[Any]
         for (a, b), axis in zip(box, cuts, strict=True)
     )
     if not cells or len(set(boxes)) != len(boxes):
-        raise ValueError(
+        raise Damaged(
             f"{PACKED}/: the pieces of {item} leaf {name!r} overlap, or are not the shards "
             "of one sharding (not what jaxckpt writes)"
         )
@@ -65,7 +66,7 @@ def check_held(item: str, name: str, pieces: list[Any], regions: list) -> None:
             all(a <= c and d <= b for (a, b), (c, d) in zip(p.bounds, region, strict=True))
             for p in pieces
         ):
-            raise ValueError(
+            raise Damaged(
                 f"{item} leaf {name!r}: the region {[list(r) for r in region]} this process "
                 "needs is not within one piece that it holds"
             )

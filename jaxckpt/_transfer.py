@@ -18,6 +18,7 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _packed_read
+from jaxckpt._damage import Damaged
 from jaxckpt._internals import put_batched
 from jaxckpt._layout import INFO_PATH
 from jaxckpt._packed import MAX_LEAF_BYTES
@@ -47,14 +48,15 @@ def read_errors(step: int, item: str, directory: epath.Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
-    """A file that is not what jaxckpt writes (ValueError), or is missing, as the
-    CorruptCheckpointError it is; jaxckpt's own errors (a target it cannot place onto:
-    `ShardingError`) as they are."""
+    """A file that is not what jaxckpt writes, or bytes that disagree with their digest
+    (`_damage.Damaged`), or a file that is missing, as the CorruptCheckpointError it is;
+    anything else as it is (jaxckpt's own errors, a target it cannot place onto:
+    `ShardingError`; the others `read_errors` names)."""
     try:
         yield
     except JaxckptError:
         raise
-    except (ValueError, FileNotFoundError) as e:
+    except (Damaged, FileNotFoundError) as e:
         raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
 
 

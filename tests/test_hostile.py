@@ -429,6 +429,25 @@ def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh):
         reader.restore(3, state=target(mesh))
 
 
+@pytest.mark.parametrize("name", ["0-of-1.json", "0-of-1.bin"])
+def test_a_store_failing_under_a_read_is_no_damage_and_no_reason_to_pass_over(ckpt, mesh, name):
+    # Before: the index's OSError was filed as "unreadable": CorruptCheckpointError, and
+    # fallback=True silently restored step 1
+    def failing(open_file, folder, rel, size=None):
+        if rel == name and folder.parent.name == "2":
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return open_file(folder, rel, size)
+
+    reader = jaxckpt.CheckpointManager(
+        ckpt, read_only=True, verify_on_restore=False, store=faults.store(open_file=failing)
+    )
+    for fallback in (False, True):
+        with pytest.raises(errors.RestoreError, match="Connection reset by peer") as raised:
+            reader.restore(state=target(mesh), fallback=fallback)
+        assert not isinstance(raised.value, errors.CorruptCheckpointError)
+    reader.close()
+
+
 # ------------------------------------------------------- the stress script's hostile trials
 
 

@@ -768,7 +768,14 @@ def test_zstd_compression_is_smaller_on_disk_and_restores_anywhere(mesh, ckpt_di
 
 @pytest.mark.parametrize(
     ("saved", "target"),
-    [("pinned_host", "pinned_host"), ("pinned_host", "device"), ("device", "pinned_host")],
+    [
+        ("pinned_host", "pinned_host"),
+        ("pinned_host", "device"),
+        ("device", "pinned_host"),
+        ("unpinned_host", "unpinned_host"),
+        ("unpinned_host", "pinned_host"),
+        ("device", "unpinned_host"),
+    ],
 )
 @pytest.mark.parametrize("incremental", [None, False], ids=["default", "incremental=False"])
 def test_leaves_in_host_memory_restore_onto_any_memory_kind_and_mesh(
