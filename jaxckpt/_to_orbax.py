@@ -4,15 +4,17 @@ keeps its state in the layout Orbax itself writes."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
 from etils import epath
 
-from jaxckpt import _orbax_steps, _reader
+from jaxckpt import _layout, _orbax_steps, _reader
+from jaxckpt._escape import escape
 from jaxckpt._storage import absolute, is_remote
 from jaxckpt._trees import Wanted
-from jaxckpt.errors import ConfigError, OutputExistsError
+from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
 
 log = logging.getLogger("jaxckpt")
 
@@ -61,7 +63,15 @@ def export_orbax(
             f"{out} exists and is not empty; choose another directory or pass overwrite=True"
         )
     with _reader.open_reader(checkpoint_dir) as ckpt:
-        restored = ckpt.read(step, Wanted(state=state, item=item), fallback=False)
+        info, tree = ckpt.describe(step, item)
+        specs = info.state if info.orbax else info.leaves(tree)
+        if empty := [f"{escape(s.name)} {s.shape}" for s in specs if math.prod(s.shape) == 0]:
+            raise UnsupportedValueError(
+                f"step {info.step} of {checkpoint_dir} holds leaves with no elements "
+                f"({', '.join(empty)}), which plain Orbax cannot save (it refuses zero-size "
+                "arrays): export it to safetensors, or restore it and save the tree without them"
+            )
+        restored = ckpt.read(info.step, Wanted(state=state, item=item), fallback=False)
         if state is None and ckpt.info(restored.step, item).empty is None:
             log.warning(
                 "step %d of %s was saved before jaxckpt recorded a tree's empty nodes "
@@ -72,10 +82,17 @@ def export_orbax(
                 checkpoint_dir,
             )
     new, old = (out.parent / f".{out.name}.jaxckpt-{what}" for what in ("new", "old"))
-    for leftover in (new, old):
+    orbax_tmp = new.parent / f"{new.name}{_layout.TMP_SUFFIX}"  # (Orbax's, until it commits)
+    for leftover in (new, old, orbax_tmp):
         if leftover.exists():
             leftover.rmtree()
-    _orbax_steps.write_plain(new, restored.state)
+    try:
+        _orbax_steps.write_plain(new, restored.state)
+    except BaseException:
+        for leftover in (new, orbax_tmp):
+            if leftover.exists():
+                leftover.rmtree()
+        raise
     if out.exists():
         out.rename(old)
     new.rename(out)

@@ -5,6 +5,7 @@ import os
 import struct
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -814,3 +815,39 @@ def test_live_export_splits_a_host_leaf_into_layers(tmp_path):
     got = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
     for i in range(3):
         np.testing.assert_array_equal(got[f"layer.{i}.weight"], stacked[i])
+
+
+ZERO_SIZE = {"z0": (0,), "z1": (8, 0), "z2": (0, 8)}
+
+
+def test_zero_size_leaves_go_through_both_safetensors_exports(mesh, tmp_path):
+    # Before: the live export raised OSError "pwritev wrote nothing" for (0,) and (8, 0),
+    # ValueError "cannot reshape" for (0, 8)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    state = {
+        "w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), sharding),
+        **{
+            k: jax.device_put(np.zeros(s, np.float32), NamedSharding(mesh, P()))
+            for k, s in ZERO_SIZE.items()
+        },
+        "z3": jax.device_put(np.zeros((0, 8), np.float32), sharding),  # sharded, no elements
+    }
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, state=state)
+    jaxckpt.hf.save_safetensors(state, tmp_path / "live")
+    jaxckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "step")
+    for out in ("live", "step"):
+        got = safetensors.numpy.load_file(tmp_path / out / "model.safetensors")  # upstream
+        assert {k: v.shape for k, v in got.items()} == {k: np.shape(v) for k, v in state.items()}
+        assert got["w"].tobytes() == np.asarray(state["w"]).tobytes()
+        with safetensors.safe_open(tmp_path / out / "model.safetensors", "pt") as f:
+            assert f.get_tensor("z2").shape == torch.Size([0, 8])
+
+
+def test_a_failed_live_export_leaves_nothing_behind(tmp_path):
+    # Before: `.out.tmp-live` stayed beside the output
+    gone = jnp.ones((8,))
+    gone.delete()  # its copy to the host fails once the files are made
+    with pytest.raises(RuntimeError, match="deleted"):
+        jaxckpt.save_safetensors({"w": jnp.ones((4, 4)), "gone": gone}, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

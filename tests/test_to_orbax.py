@@ -283,3 +283,23 @@ def test_a_step_plain_orbax_wrote_exports_with_its_empty_nodes(tmp_path, mesh):
     assert tree_metadata(back / str(STEP) / "default").keys() == (
         tree_metadata(run / str(STEP) / "default").keys()
     )
+
+
+def test_zero_size_leaves_are_refused_by_name_before_anything_is_written(tmp_path):
+    # Before: Orbax's ValueError "Cannot save arrays with zero size" as a traceback, and
+    # `.<out>.jaxckpt-new.orbax-checkpoint-tmp` left beside the output
+    state = {"w": jnp.ones((4, 4)), "empty": {"rows": jnp.zeros((0, 8))}}
+    with jaxckpt.CheckpointManager(tmp_path / "run") as m:
+        m.save(STEP, state=state)
+    out = tmp_path / "exports" / "orbax"
+    out.parent.mkdir()
+    result = CliRunner().invoke(
+        main, ["export", str(tmp_path / "run"), str(out), "--format", "orbax"]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = result.output.strip().splitlines()
+    assert "empty.rows (0, 8)" in line and "plain Orbax cannot save" in line
+    assert list(out.parent.iterdir()) == []
+    with pytest.raises(jaxckpt.errors.UnsupportedValueError, match=r"empty\.rows \(0, 8\)"):
+        jaxckpt.export_orbax(tmp_path / "run", out)
+    assert list(out.parent.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -98,6 +99,8 @@ def save_safetensors(
     fds = {f: os.open(tmp / f, os.O_WRONLY) for f in files}
 
     def write_leaf(placed: Placement) -> None:
+        if math.prod(np.shape(leaves[placed.leaf])) == 0:
+            return  # (no bytes: its header is all of it)
         pieces = _local_pieces(leaves[placed.leaf], primary)
         plain = (placed.split, placed.transpose, placed.reshape, placed.scale) == (None,) * 4
         if plain:
@@ -131,6 +134,10 @@ def save_safetensors(
             list(pool.map(write_leaf, [p for p in placements if p.leaf not in skipped]))
         for fd in fds.values():
             os.fsync(fd)
+    except BaseException:
+        if primary:  # (nothing is left of a failed export; `out_dir` is as it was)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         for fd in fds.values():
             os.close(fd)
