@@ -21,7 +21,9 @@ process 0 of a job holds it.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
+import getpass
 import json
 import logging
 import os
@@ -37,7 +39,7 @@ from jaxckpt._layout import LOCK_FILE
 from jaxckpt._leases import Conflict, lease_object
 from jaxckpt._storage import file_kind, is_remote
 from jaxckpt._store_errors import ATTEMPTS, give_up_s
-from jaxckpt.errors import LockedError
+from jaxckpt.errors import LockedError, NotWritableError
 
 log = logging.getLogger("jaxckpt")
 
@@ -70,10 +72,14 @@ class WriterLock:
         self._lost: str | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise _not_writable(self.path.parent, e) from None
+            if e.filename != str(self.path):
+                raise
             raise _not_a_lock_file(
                 self.path, f"it cannot be opened without following links ({e.strerror})"
             ) from None
@@ -286,6 +292,18 @@ def _refused(directory: Any, holder: str) -> LockedError:
     return LockedError(
         f"{directory} is being written by {holder}; one writer per directory. Stop that job "
         "first, or open this one with read_only=True to restore."
+    )
+
+
+def _not_writable(directory: Path, e: OSError) -> NotWritableError:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    return NotWritableError(
+        f"cannot save in {directory}: {e.strerror} ({e.filename}), as user {user}. Choose a "
+        "directory this user can write (one under your home, say), or have this one made "
+        "writable for it; to only read steps there, pass read_only=True"
     )
 
 

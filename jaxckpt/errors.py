@@ -102,6 +102,11 @@ class FormatError(JaxckptError, ValueError):
     """A file is not valid safetensors (corrupt or truncated header, bad metadata)."""
 
 
+class NotWritableError(JaxckptError, PermissionError):
+    """This process cannot create or write the checkpoint directory (no permission, or a
+    read-only file system); nothing was written."""
+
+
 class OutputExistsError(JaxckptError, FileExistsError):
     """The output directory exists and is not empty; nothing was written to it."""
 

@@ -76,6 +76,26 @@ def test_one_writer_per_directory(ckpt):
         assert again.all_steps() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("where", ["run", "run/nested/deeper", "."], ids=["new", "deep", "itself"])
+def test_a_directory_this_process_cannot_write_is_named_with_what_to_do(tmp_path, where):
+    # Before: a raw PermissionError from the lock's mkdir (the Quickstart's /ckpt/quickstart
+    # run by a user who is not root). `chattr +i` refuses even root, which runs these tests.
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    subprocess.run(["chattr", "+i", str(parent)], check=True, timeout=30)
+    try:
+        with pytest.raises(errors.NotWritableError, match="cannot save in .*as user .*Choose a"):
+            jaxckpt.CheckpointManager(parent / where)
+        code = f"import jaxckpt; jaxckpt.CheckpointManager({str(parent / where)!r})"
+        result = run_python("-c", code, check=False)
+        assert "NotWritableError" in result.stderr and "PermissionError" not in result.stderr
+        with jaxckpt.CheckpointManager(parent, read_only=True) as m:  # a reader writes nothing
+            assert m.all_steps() == []
+    finally:
+        subprocess.run(["chattr", "-i", str(parent)], check=True, timeout=30)
+    assert list(parent.iterdir()) == []
+
+
 def test_a_dead_writers_lock_is_taken_over(ckpt, caplog):
     code = f"import jaxckpt, os, signal; m = jaxckpt.CheckpointManager({str(ckpt)!r}); os.kill(os.getpid(), signal.SIGKILL)"
     proc = run_python("-c", code, timeout=120, check=False)
