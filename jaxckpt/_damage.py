@@ -7,3 +7,8 @@ what it is, never as damage."""
 
 class Damaged(ValueError):
     """A step's file is not what jaxckpt writes, or bytes disagree with their digest."""
+
+
+class Incomplete(Damaged):
+    """A step refers to bytes of an earlier step that is not in its directory (a step
+    copied without the steps it shares bytes with): `IncompleteStepError`."""

@@ -38,6 +38,7 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _layout, _packed, _packed_index, _packed_read
+from jaxckpt._damage import Incomplete
 from jaxckpt._storage import file_sizes, read_small
 
 log = logging.getLogger("jaxckpt")
@@ -313,6 +314,8 @@ def verify_shared(step_dir: epath.Path, processes: int) -> list[str]:
             try:
                 packed.check_sizes({p.source() for p in batch})
                 packed.read_pieces(batch)
+            except Incomplete as e:  # (says which step)
+                problems.append(str(e))
             except (OSError, ValueError) as e:
                 problems.append(f"shared with step {batch[0].owner}: {e}")
             batch = []

@@ -16,7 +16,7 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _codec
-from jaxckpt._damage import Damaged
+from jaxckpt._damage import Damaged, Incomplete
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
 from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
@@ -213,6 +213,13 @@ class PackedStep:
             else:
                 rel = f"{owner}/{PACKED}/{name}"
                 real, claimed = self._owner_files(owner).get(name), self._claims[source]
+            if real is None and owner is not None and not (self.directory / str(owner)).exists():
+                raise Incomplete(
+                    f"it shares bytes with step {owner}, which is not in this directory (was "
+                    f"this step copied without it?): copy step {owner} beside it, or export "
+                    "this step from where it was saved (jaxckpt export --format orbax) for "
+                    "one that stands alone"
+                )
             if real is None:
                 raise Damaged(
                     f"{PACKED}/{rel} is missing"

@@ -18,13 +18,18 @@ import numpy as np
 from etils import epath
 
 from jaxckpt import _packed_read
-from jaxckpt._damage import Damaged
+from jaxckpt._damage import Damaged, Incomplete
 from jaxckpt._internals import put_batched
 from jaxckpt._layout import INFO_PATH
 from jaxckpt._packed import MAX_LEAF_BYTES
 from jaxckpt._store_errors import storage_error
 from jaxckpt._tree import ReadRequest
-from jaxckpt.errors import CorruptCheckpointError, JaxckptError, RestoreError
+from jaxckpt.errors import (
+    CorruptCheckpointError,
+    IncompleteStepError,
+    JaxckptError,
+    RestoreError,
+)
 
 
 @contextlib.contextmanager
@@ -56,6 +61,8 @@ def corrupt_if_not_jaxckpts(step: int, directory: epath.Path) -> Iterator[None]:
         yield
     except JaxckptError:
         raise
+    except Incomplete as e:
+        raise IncompleteStepError(step, [str(e)], str(directory)) from None
     except (Damaged, FileNotFoundError) as e:
         raise CorruptCheckpointError(step, [str(e)], str(directory)) from None
 

@@ -78,6 +78,16 @@ class CorruptCheckpointError(JaxckptError, OSError):
         )
 
 
+class IncompleteStepError(CorruptCheckpointError):
+    """An incremental step shares bytes with an earlier step that is not in its directory
+    (it was copied or moved without it). Nothing is damaged; `fallback=True` passes over it
+    as over a corrupt step, since it cannot be restored here."""
+
+    def __init__(self, step: int, problems: Sequence[str], directory: str):
+        super().__init__(step, problems, directory)
+        self.args = (f"step {step} in {directory} is incomplete: {'; '.join(self.problems)}",)
+
+
 class RestoreError(JaxckptError, RuntimeError):
     """Reading a step's arrays failed for a reason other than a mismatch jaxckpt checks
     first (an I/O error, a storage error); the message carries Orbax's first line."""

@@ -500,6 +500,34 @@ def test_a_restarted_job_never_refers_to_a_step_linked_out_of_the_directory(
         _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
 
 
+def test_a_step_copied_without_the_step_it_shares_bytes_with_is_named_incomplete(
+    mesh, ckpt_dir, tmp_path
+):
+    # Before: `ls` said "committed" (exit 0), and a restore called the step corrupt ("the
+    # file ... is missing"), advising fallback=True; nothing was damaged
+    import shutil
+
+    base = _saved(mesh, ckpt_dir)
+    out = tmp_path / "published"
+    out.mkdir()
+    shutil.copytree(ckpt_dir / "2", out / "2")  # `cp -r ckpt/2 published/`
+    result = CliRunner().invoke(main, ["ls", "--json", str(out)])
+    (row,) = json.loads(result.output)["steps"]
+    assert row["status"].startswith("INCOMPLETE: shares bytes with step(s) 0, not in this")
+    want = "incomplete: it shares bytes with step 0, which is not in this directory"
+    with jaxckpt.CheckpointManager(out, read_only=True) as m:
+        with pytest.raises(jaxckpt.errors.IncompleteStepError, match=want) as raised:
+            m.restore(2, state={"base": base}, partial=True)
+        assert "copy step 0 beside it" in str(raised.value) and "corrupt" not in str(raised.value)
+    (report,) = jaxckpt.verify(out)
+    assert [p.split(":")[0] for p in report.problems] == [
+        "it shares bytes with step 0, which is not in this directory (was this step copied without it?)"
+    ]
+    shutil.copytree(ckpt_dir / "0", out / "0")  # as the message says
+    with jaxckpt.CheckpointManager(out, read_only=True) as m:
+        _assert_bitwise(m.restore(2, state={"base": base}, partial=True).state["base"], base)
+
+
 def _rewrite_manifest(ckpt_dir, step):
     """The step's manifest made to agree with its files as they are now (a summary edited
     by hand or by a tool: no checksum then says anything is wrong)."""

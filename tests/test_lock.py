@@ -84,7 +84,7 @@ def test_a_directory_this_process_cannot_write_is_named_with_what_to_do(tmp_path
     parent.mkdir()
     subprocess.run(["chattr", "+i", str(parent)], check=True, timeout=30)
     try:
-        with pytest.raises(errors.NotWritableError, match="cannot save in .*as user .*Choose a"):
+        with pytest.raises(errors.NotWritableError, match=r"cannot save in .*as user .*Choose a"):
             jaxckpt.CheckpointManager(parent / where)
         code = f"import jaxckpt; jaxckpt.CheckpointManager({str(parent / where)!r})"
         result = run_python("-c", code, check=False)

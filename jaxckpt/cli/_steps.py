@@ -71,6 +71,12 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             shares = [] if orbax else sorted(_shares(listing.folders[step], step, infos[0]))
             if shares:
                 status += f"; shares bytes with step(s) {', '.join(map(str, shares))}"
+            if absent := [s for s in shares if s not in {*listing.committed, *listing.retired}]:
+                status = (
+                    f"INCOMPLETE: shares bytes with step(s) {', '.join(map(str, absent))}, not "
+                    "in this directory (copied without them?): copy them too, or export this "
+                    "step from where it was saved"
+                )
             size, files = disk_usage(ckpt.folder(step))
             rows.append(
                 {
