@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/local_tier.py
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/faults.py
+	$(BIN)/python benchmarks/full_saves.py
 	$(BIN)/python benchmarks/compare.py
 
 bench-quick: $(STAMP)

@@ -17,8 +17,15 @@ process saved) holds a piece of the same leaf, dtype, shape and bounds and eithe
 
 The entry of such a piece names the step whose folder holds its bytes (the one that wrote
 them: a reference never leads to another), and `<step>/jaxckpt/shares.json` summarises those
-steps for a reader's listing. Retention never deletes a step a kept step shares bytes with,
-as its index says (`Sharing`, `needs`: a step whose index cannot be read needs every
+steps for a reader's listing.
+
+A chain of saves that refer to earlier ones ends every `full_save_every` saves (`due_full`):
+that save writes every piece, refers to nothing, and the next ones refer to it. So one
+damaged file is read by at most `full_save_every` steps: the one that wrote it and those
+saved after it up to the next full save (each process counts its own chain: a save that
+happened to write every piece, as a pretraining run's do, starts a new one at no cost).
+
+Retention never deletes a step a kept step shares bytes with, as its index says (`Sharing`, `needs`: a step whose index cannot be read needs every
 earlier one): it retires it instead (`<step>.jaxckpt-retired` beside it: out of every
 listing, its files kept) and deletes it once no kept step shares its bytes.
 """
@@ -53,14 +60,16 @@ Key = tuple[str, str, Bounds]  # item, leaf name, bounds
 class SavedPieces:
     """The newest committed step this process saved incrementally, as this process wrote
     it: each piece's entry where its bytes are (`[offset, xxh3-128, owner step, file]`),
-    and the arrays it saved (weakly: the base keeps none alive). A base seeded from disk
-    (`seeded`) also holds `unproven`: its pieces whose bytes no one read back since, each
-    read back (and checked against its XXH3-128) the first time a save would refer to it,
-    by `reader` (`_packed_read.PackedStep`)."""
+    and the arrays it saved (weakly: the base keeps none alive). `chain`: how many saves
+    since this process's newest full one (which refers to no other step: 0) the step is.
+    A base seeded from disk (`seeded`) also holds `unproven`: its pieces whose bytes no one
+    read back since, each read back (and checked against its XXH3-128) the first time a save
+    would refer to it, by `reader` (`_packed_read.PackedStep`)."""
 
     step: int
     pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]]
     arrays: dict[tuple[str, str], weakref.ref]
+    chain: int = 0
     unproven: dict[Key, _packed_index.Piece] = dataclasses.field(default_factory=dict)
     reader: Any = None
 
@@ -106,8 +115,10 @@ class SavedPieces:
         found = iter(entries)
         pieces: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
         arrays: dict[tuple[str, str], weakref.ref] = {}
+        refers = False
         for item, name, dtype, shape, bounds_list, value in leaves:
             entries = [next(found) for _ in bounds_list]
+            refers = refers or any(len(e) == 4 and e[2] != step for e in entries)
             if not shareable(dtype, shape):
                 continue
             for bounds, entry in zip(bounds_list, entries, strict=True):
@@ -115,7 +126,7 @@ class SavedPieces:
                 pieces[(item, name, bounds)] = (dtype, shape, where)
             if value is not None:
                 arrays[(item, name)] = weakref.ref(value)
-        return SavedPieces(step, pieces, arrays)
+        return SavedPieces(step, pieces, arrays, self.chain + 1 if refers else 0)
 
     def owners(self) -> set[int]:
         """The steps this base's pieces are in."""
@@ -131,8 +142,18 @@ def shareable(dtype: np.dtype, shape: tuple[int, ...]) -> bool:
 
 
 def empty(step: int) -> SavedPieces:
-    """The base of a step that holds no piece (a first incremental save makes one)."""
+    """The base of a step that holds no piece (a full save makes one)."""
     return SavedPieces(step, {}, {})
+
+
+FULL_EVERY = 10  # the default: MiB written and the steps one file reaches, docs/incremental.md
+
+
+def due_full(base: SavedPieces | None, full_save_every: int | None) -> bool:
+    """Whether a save on `base` writes every piece (refers to no earlier step): with no
+    base, or as the `full_save_every`-th save of its chain (None: never), so that no file
+    is read by more than `full_save_every` steps."""
+    return base is None or (full_save_every is not None and base.chain + 1 >= full_save_every)
 
 
 def seeded(
@@ -147,7 +168,8 @@ def seeded(
     own index lists them (their XXH3-128s and where their bytes are), and no arrays. The
     save then writes only the pieces whose bytes changed since, found by their digests,
     and refers to none it did not read back first (`SavedPieces.held`): an index says what
-    was written, not what is there now. None (a full save) where there is no such step, it
+    was written, not what is there now. Its chain is counted in the steps on disk since the
+    oldest it refers to. None (a full save) where there is no such step, it
     is not an incremental step this process wrote in a job of as many processes with this
     `codec`, its index or a file it places pieces in is not what jaxckpt writes, or it
     places pieces in a step that is neither committed nor `retired` (gone, or a link)."""
@@ -170,9 +192,13 @@ def seeded(
         log.debug("step %d is no base for an incremental save: %s", step, e)
         return None
     known = {*committed, *retired}
-    if any(p.owner is not None and p.owner not in known for p in every):
+    owners = {p.owner for p in every if p.owner is not None and p.owner != step}
+    if not owners <= known:
         log.debug("step %d is no base: it places pieces in a step no listing shows", step)
         return None
+    # its chain, as the steps on disk tell it: those since the oldest it refers to (the
+    # saves between that retention deleted read no file any more)
+    chain = len([s for s in known if min(owners) < s <= step]) if owners else 0
     own = _layout.packed_files(process, processes)[0]
     found: dict[Key, tuple[np.dtype, tuple[int, ...], list]] = {}
     unproven: dict[Key, _packed_index.Piece] = {}
@@ -182,7 +208,7 @@ def seeded(
             place = p.offset if p.stored is None else [p.offset, p.stored]
             found[(item, name, p.bounds)] = (dtype, shape, [place, p.digest, owner, p.file or own])
             unproven[(item, name, p.bounds)] = p
-    return SavedPieces(step, found, {}, unproven, packed)
+    return SavedPieces(step, found, {}, chain, unproven, packed)
 
 
 def shares_of(entries: Iterable[Mapping[str, Any]]) -> list[int]:

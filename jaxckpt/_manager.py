@@ -26,6 +26,7 @@ from etils import epath
 
 from jaxckpt import (
     _agree,
+    _incremental,
     _iterators,
     _layout,
     _listing,
@@ -87,6 +88,10 @@ class CheckpointManager:
         leaf packed, a save writes only the pieces whose bytes changed since the newest
         committed step and refers to it for the others ([Incremental steps](incremental.md)).
         False: each step stands alone (leaves above 1 MiB: Orbax's).
+      full_save_every: with incremental saves, every this many saves one writes every
+        piece and refers to no earlier step (10 by default; None: only with nothing to
+        refer to), so that one damaged file reaches at most this many steps: below
+        keep_last, one kept step always restores ([Incremental steps](incremental.md)).
       verify_on_restore: check a step's files against its manifest before restoring it.
       read_only: a reader: takes no writer lock, installs no signal handler, deletes
         nothing, and refuses `save`.
@@ -120,6 +125,7 @@ class CheckpointManager:
         compression: str | None = None,
         pack_small_leaves: bool = True,
         incremental: bool | None = None,
+        full_save_every: int | None = _incremental.FULL_EVERY,
         verify_on_restore: bool = True,
         read_only: bool = False,
         local: LocalTier | None = None,
@@ -154,6 +160,13 @@ class CheckpointManager:
             raise ConfigError(
                 "incremental=True packs every leaf: it does not take pack_small_leaves=False"
             )
+        if full_save_every is not None and not (
+            type(full_save_every) is int and full_save_every >= 1
+        ):
+            raise ConfigError(
+                f"full_save_every must be a number of saves (1 or more) or None, got "
+                f"{full_save_every!r}"
+            )
         if local is not None and not isinstance(local, LocalTier):
             raise ConfigError(f"local must be a jaxckpt.LocalTier, got {local!r}")
         for name, given, base in (
@@ -182,6 +195,7 @@ class CheckpointManager:
                 lock=self._lock,
                 pack=bool(pack_small_leaves) and compression is None,
                 incremental=bool(incremental),
+                full_save_every=full_save_every,
             )
             undo.callback(self._store.close)
             # its listener for copies, made by every process at once (agreed by all)

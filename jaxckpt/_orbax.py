@@ -111,11 +111,13 @@ class OrbaxStore:
         lock: WriterLock | ObjectLease | None = None,
         pack: bool = True,
         incremental: bool = False,
+        full_save_every: int | None = _incremental.FULL_EVERY,
     ):
         """`lock`: the writer's lock (held by process 0), checked before each save, each
         commit and each delete. `pack`: leaves of at most `_packed.MAX_LEAF_BYTES` are
         packed (format 2); False writes each as an Orbax array of its own. `incremental`:
-        every leaf is packed, each save writing only what changed (`_incremental`).
+        every leaf is packed, each save writing only what changed (`_incremental`), and
+        every piece every `full_save_every` saves (`_incremental.due_full`).
         `compression` ("zstd"): of each packed piece (`_codec`) if incremental, of Orbax's
         arrays otherwise."""
         self.directory = epath.Path(absolute(directory))
@@ -136,6 +138,7 @@ class OrbaxStore:
         self._sized: set[tuple[epath.Path, str | None]] = set()  # items checked (`oversized`)
         self._pack = pack
         self._incremental = incremental
+        self._full_save_every = full_save_every
         self._sharing = _incremental.Sharing(self.info)  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
         # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
@@ -368,6 +371,10 @@ class OrbaxStore:
             self._packed_handler.base = _incremental.seeded(
                 self.directory, listing.committed, step, self._packed_handler.codec, listing.retired
             )
+        if self._incremental and _incremental.due_full(
+            self._packed_handler.base, self._full_save_every
+        ):
+            self._packed_handler.base = None  # (this save's pieces are the next one's base)
         if any(small.values()):
             incremental = step if self._incremental else None
             args[_layout.PACKED] = _orbax_items.PackedSave(small, incremental)

@@ -2,7 +2,7 @@
 
 * A writer saving in a loop with `incremental=True` and `keep_last=2` (each step an 8 MiB
   frozen leaf, the same array every step, and 8 MiB that change: every later step refers to
-  the first for the frozen bytes, which retention retires rather than deletes) is SIGKILLed
+  the newest full save for the frozen bytes, which retention retires rather than deletes) is SIGKILLed
   at a seeded moment: mid-save, mid-commit or mid-retention. A new process then checks that
   every visible step verifies and restores exactly, that a new writer saves the next step,
   and that no step is kept that no kept step shares bytes with, nor any gone that one does.
@@ -12,6 +12,9 @@
   either names it; and a writer restarted after it writes those bytes again (issue 65).
 * A kept step's `shares.json` missing, emptied, swollen or nested deep: retention follows
   the step's index, and verify names the summary (issue 65).
+* How far one damaged file reaches: 12 saves with `full_save_every=4` and `keep_last=5`,
+  then, in a copy each, a byte of each step's own data file flipped: at most 4 steps fail
+  to verify, and `fallback=True` restores a kept step bitwise (issue 65).
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def trials(seed: int, kills: int) -> list[tuple[str, int, str]]:
             "would refer to them",
             1,
             restarted_after_damage_trial(),
+        ),
+        (
+            f"one damaged file: {REACH_SAVES} saves (full_save_every={REACH_EVERY}, "
+            f"keep_last={REACH_KEEP}), a byte of each step's own data file flipped in turn",
+            REACH_SAVES,
+            reach_trial(),
         ),
     ]
 
@@ -263,3 +272,59 @@ def restarted_after_damage_trial() -> str:
     if exact and clean:
         return "the new writer wrote the damaged bytes again: step 3 verifies and restores bitwise"
     return f"FAILED (step 3 bitwise {exact}, verifies {clean})"
+
+
+REACH_SAVES, REACH_EVERY, REACH_KEEP = 12, 4, 5
+
+
+def reach_trial() -> str:
+    """`REACH_SAVES` saves of a frozen 2 MiB leaf and a changing one; then, for each step on
+    disk (kept or retired), in a copy of the directory, a byte in the middle of its own data
+    file flipped: the steps that no longer verify must be at most `REACH_EVERY`, and a
+    restore with fallback=True must return a kept step, bitwise."""
+    import shutil
+
+    import jaxckpt
+
+    worst, failures = 0, []
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
+        d = Path(tmp) / "ckpt"
+        base = frozen(2**19)
+        keep = jaxckpt.RetentionPolicy(keep_last=REACH_KEEP)
+        with jaxckpt.CheckpointManager(d, full_save_every=REACH_EVERY, retention=keep) as m:
+            for step in range(1, REACH_SAVES + 1):
+                m.save(step, state={"x": expected(step)[:4096], "frozen": base})
+            m.wait()
+            kept = m.all_steps()
+        on_disk = sorted({int(p.name.split(".")[0]) for p in d.iterdir() if p.name[0].isdigit()})
+        target = {"x": np.zeros(4096, np.float32), "frozen": base}
+        for step in on_disk:
+            copy = Path(tmp) / f"copy-{step}"
+            shutil.copytree(d, copy, symlinks=True)
+            data = copy / str(step) / "packed" / "0-of-1.bin"
+            with open(data, "r+b") as f:
+                f.seek(data.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x01]))
+            damaged = [r.step for r in jaxckpt.verify(copy) if not r.ok]
+            worst = max(worst, len(damaged))
+            try:
+                with jaxckpt.CheckpointManager(copy, read_only=True) as m:
+                    got = m.restore(state=target, fallback=True)
+                exact = got.step in kept and all(
+                    np.array_equal(got.state[k], v)
+                    for k, v in {"x": expected(got.step)[:4096], "frozen": base}.items()
+                )
+            except jaxckpt.errors.JaxckptError as e:
+                exact = False
+                damaged.append(f"no fallback: {type(e).__name__}")
+            if len(damaged) > REACH_EVERY or not exact:
+                failures.append(f"step {step}'s file damaged: {damaged}, fallback bitwise {exact}")
+            shutil.rmtree(copy)
+    if failures:
+        return f"FAILED {len(failures)}: " + "; ".join(failures[:3])
+    return (
+        f"at most {worst} steps (of {len(on_disk)} on disk) fail to verify, never more than "
+        f"{REACH_EVERY}; fallback=True restores a kept step bitwise every time"
+    )

@@ -500,6 +500,58 @@ def test_a_restarted_job_never_refers_to_a_step_linked_out_of_the_directory(
         _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
 
 
+def _flip(ckpt_dir, step):
+    """One byte of the base's first piece in step `step`'s own data file flipped."""
+    at = _first_piece(_index(ckpt_dir, step)[1])[0] + 1000
+    with open(ckpt_dir / str(step) / "packed" / "0-of-1.bin", "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_one_damaged_file_reaches_at_most_full_save_every_steps(mesh, ckpt_dir):
+    # Before: every step referred to step 0's base however many saves followed, so one
+    # flipped byte there made every step unrestorable, fallback=True included.
+    base = _saved(mesh, ckpt_dir, steps=7, full_save_every=3)
+    shares = {s: _shares(ckpt_dir, s) for s in range(7)}
+    assert shares == {0: [], 1: [0], 2: [0], 3: [], 4: [3], 5: [3], 6: []}
+    assert _own_bytes(ckpt_dir, 3) > BASE_BYTES and _own_bytes(ckpt_dir, 4) < 20_000
+    _flip(ckpt_dir, 3)
+    damaged = {r.step for r in jaxckpt.verify(ckpt_dir) if not r.ok}
+    assert damaged == {3, 4, 5}  # its chain: the step that wrote the file, and those after
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
+        for step in (2, 6):
+            _assert_bitwise(m.restore(step, state={"base": base}, partial=True).state["base"], base)
+
+
+def test_the_default_writes_every_piece_every_tenth_save(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir, steps=11)
+    assert _shares(ckpt_dir, 9) == [0] and _shares(ckpt_dir, 10) == []
+
+
+def test_without_full_saves_every_step_refers_to_the_first(mesh, ckpt_dir):
+    _saved(mesh, ckpt_dir, steps=4, full_save_every=None)
+    assert [_shares(ckpt_dir, s) for s in range(4)] == [[], [0], [0], [0]]
+
+
+def test_a_restarted_job_goes_on_with_its_chain_as_the_steps_on_disk_tell_it(mesh, ckpt_dir):
+    # the saves since the last full one are counted across a restart: without, a job
+    # restarted more often than every full_save_every saves would never write one
+    base = _saved(mesh, ckpt_dir, steps=2, full_save_every=3)  # 0 full, 1 refers to it
+    with jaxckpt.CheckpointManager(ckpt_dir, incremental=True, full_save_every=3) as m:
+        for step in (2, 3):
+            m.save(step, state={"base": base, "adapters": _adapters(mesh, step)})
+            m.wait()
+    assert _shares(ckpt_dir, 2) == [0] and _shares(ckpt_dir, 3) == []
+
+
+@pytest.mark.parametrize("every", [0, -1, 2.5, "3", True])
+def test_full_save_every_is_a_number_of_saves(ckpt_dir, every):
+    with pytest.raises(ConfigError, match="full_save_every must be a number of saves"):
+        jaxckpt.CheckpointManager(ckpt_dir, full_save_every=every)
+
+
 def test_a_step_copied_without_the_step_it_shares_bytes_with_is_named_incomplete(
     mesh, ckpt_dir, tmp_path
 ):
