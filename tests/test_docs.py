@@ -393,6 +393,81 @@ def test_api_at_a_glance_links_every_public_method_and_nothing_else():
     assert linked - members - functions == set(), "linked, but not public"
 
 
+def _overview_signatures() -> list[tuple[str, str]]:
+    """Each call "API at a glance" prints with its arguments: (the object's path, the
+    arguments as printed), from `[`name(args)`][path]` and `[`Name`][path]`(args)`."""
+    overview = (DOCS / "api-overview.md").read_text()
+    inline = re.findall(r"\[`[\w.]+\((.*?)\)`\]\[(jaxckpt\.[\w.]+)\]", overview)
+    after = re.findall(r"\[`[\w.]+`\]\[(jaxckpt\.[\w.]+)\]`\((.*?)\)`", overview)
+    return [(path, args) for args, path in inline] + after
+
+
+def _printed_arguments(args: str) -> list[str]:
+    """The arguments as printed, split at the commas between them (not those inside
+    brackets or quotes)."""
+    parts, depth, current, quote = [], 0, "", None
+    for ch in args:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+            continue
+        current += ch
+    return [p for p in [*parts, current.strip()] if p]
+
+
+def test_api_at_a_glance_prints_the_codes_signatures():
+    """Every signature "API at a glance" prints is the code's: its arguments in order, the
+    keyword-only marker where the code has it, and each default printed equal to the code's
+    (a printed `...` stands for the rest). Before: `incremental=False`, the code's None."""
+    import signal
+    import time
+
+    from jaxckpt._local import LocalStore
+    from jaxckpt._orbax import OrbaxStore
+
+    names = {n: getattr(jaxckpt, n) for n in jaxckpt.__all__}
+    names |= {"OrbaxStore": OrbaxStore, "LocalStore": LocalStore, "SIGTERM": signal.SIGTERM}
+    names |= {"time": time}
+    found = _overview_signatures()
+    assert len(found) > 20, found  # (the patterns still match the page)
+    for path, args in found:
+        obj = jaxckpt
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part)
+        params = [
+            p
+            for p in inspect.signature(
+                obj.__init__ if inspect.isclass(obj) else obj
+            ).parameters.values()
+            if p.name != "self"
+        ]
+        expected: list[str] = []
+        for p in params:
+            if p.kind is p.KEYWORD_ONLY and not any(e.startswith("*") for e in expected):
+                expected.append("*")
+            stars = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+            expected.append(stars + p.name)
+        printed = _printed_arguments(args)
+        shown = [a.split("=")[0] for a in printed if a != "..."]
+        if "..." in printed:
+            assert shown == [e for e in expected if e in shown], (path, shown, expected)
+        else:
+            assert shown == expected, (path, shown, expected)
+        defaults = {p.name: p.default for p in params}
+        for a in printed:
+            name, _, value = a.partition("=")
+            if value:  # (`every_steps=` names an argument, showing no default)
+                assert eval(value, names) == defaults[name], (path, name, value, defaults[name])
+
+
 def test_the_reference_hook_finds_private_types():
     """docs/hooks/public_reference.py, which `make docs` runs on the built API page: the
     classes jaxckpt does not export are private, and the page names none of them."""
