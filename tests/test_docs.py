@@ -201,6 +201,32 @@ def test_the_install_page_names_every_extra_and_its_requirements_come_from_pypro
         assert f"| {name} | `{requirement[len(name) :]}` |" in table, requirement
 
 
+def test_every_page_tells_one_install_story():
+    """One install story, from pyproject.toml: every page names the Python it needs as
+    `requires-python` says; every pip install of jaxckpt is from the clone (it is not on
+    PyPI) with extras pyproject declares; the Install page puts JAX for the accelerator
+    first and installs what the Quickstart imports. Before: Home said 3.11 or 3.12, Install
+    3.11; Object storage printed `pip install 'jaxckpt[gcs]'`."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    minimum = re.fullmatch(r">=(3\.\d+)", project["requires-python"]).group(1)
+    extras = set(project["optional-dependencies"])
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        for claim in re.findall(r"Python 3\.\d+(?: or (?:3\.\d+|\w+))?", text):
+            assert claim == f"Python {minimum} or newer", (page.name, claim)
+        for line in re.findall(r"pip install[^`\n]*", text):
+            assert "jaxckpt[" not in line and "pip install jaxckpt" not in line, (page.name, line)
+            for wanted in re.findall(r"'\.\[([\w,]+)\]'", line):
+                assert set(wanted.split(",")) <= extras, (page.name, line)
+    install = (DOCS / "install.md").read_text()
+    assert install.index("pip install 'jax[cuda13]'") < install.index("pip install .")
+    assert "pip install '.[train]'" in install
+    assert "'.[train]'" in (REPO / "README.md").read_text()  # (its Quickstart imports flax)
+
+
 def test_the_readme_has_no_sample_but_the_quickstart():
     readme = blocks((REPO / "README.md").read_text())
     assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]
