@@ -22,7 +22,7 @@ Contenders:
 
 Also: each contender's first save in FIRST_SAVES fresh processes of its own, and the step
 time of a jitted matmul while a save runs in the background (alternating rounds). The page
-opens with issue 30's targets, each ratio with the range of its per-round ratios, then the
+opens with its targets, each ratio with the range of its per-round ratios, then the
 earlier ones; every other page under benchmarks/results/ follows.
 """
 
@@ -156,7 +156,7 @@ def report(
         "medians from the same run. Peak RSS is the process's high-water mark above its "
         "level before the operation, as a multiple of the state's size.",
         "",
-        "## Targets (issue 30): jaxckpt against plain Orbax and the disk",
+        "## Targets: jaxckpt against plain Orbax and the disk",
         "",
         "Each ratio is of the medians; in brackets the range of the ratios round by round "
         "(the contenders take turns, so each round pairs saves made one after the other). "
@@ -211,7 +211,7 @@ def report(
         "The many-leaf targets against the floor JAX sets are the leaf sweep's "
         "(`benchmarks/results/leaf_sweep.md`, below).",
         "",
-        "## Earlier targets (issue 6)",
+        "## Earlier targets",
         "",
     ]
     rows = []

@@ -19,7 +19,7 @@ Targets (issue 52): with the defaults, peak <= 1.10x the share + 64 MiB; with
 Saves, the same way (each in a fresh process, the tools taking turns, peak RSS above the
 baseline taken with the state on its devices, until the step is committed): jaxckpt raw,
 with `compression="zstd"`, and with `compression="zstd", incremental=False` (tensorstore's
-zstd on Orbax arrays), and plain Orbax (zstd, its default). Target (issue 52): a zstd
+zstd on Orbax arrays), and plain Orbax (zstd, its default). Target: a zstd
 save's peak above the state stays bounded, <= 64 MiB at every size.
 
     python benchmarks/restore_memory.py [--repeat 3] [--sizes 64,512,1536] [--no-gcs]
@@ -319,7 +319,7 @@ def write(args: argparse.Namespace, rows: list[dict], save_rows: list[dict]) -> 
         f"Medians of {args.repeat} saves, each the first of a fresh process, the tools "
         "taking turns, from the start of the save until its step is committed: peak RSS "
         "above the baseline taken with the state on its devices (sampled every 2 ms; the "
-        "kernel's high-water mark since the baseline beside it). Target (issue 52): a zstd "
+        "kernel's high-water mark since the baseline beside it). Target: a zstd "
         "save's peak above the state <= 64 MiB at every size, by either measure."
     )
     text = "\n".join(

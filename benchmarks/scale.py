@@ -299,7 +299,7 @@ def write(results: dict, args) -> None:
         [
             "# Pod scale: storage traffic against the process count",
             "",
-            f"`{command}` (issue 28): N real processes (jax.distributed, gloo,"
+            f"`{command}`: N real processes (jax.distributed, gloo,"
             f" 127.0.0.1, {DEVICES} CPU devices each) save and restore {args.mib} MiB of"
             " incompressible float32 (3/4 in 8 MiB leaves, 1/4 in 1 MiB ones). Bytes through"
             " read(2)/write(2) of every process (`/proc/self/io`; the collectives receive with"

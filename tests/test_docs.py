@@ -227,6 +227,28 @@ def test_every_page_tells_one_install_story():
     assert "'.[train]'" in (REPO / "README.md").read_text()  # (its Quickstart imports flax)
 
 
+def test_no_internal_word_on_a_users_page():
+    """A user's page names no private module of jaxckpt, no issue number and no format
+    number: the developer's pages (Architecture, Development) and the on-disk layout,
+    whose formats are its subject, may. Before: Comparison named `_internals.py` and
+    `_memory`, Benchmarks "issue 30's targets", Incremental steps "format 3"."""
+    private = sorted(
+        p.stem for p in (REPO / "jaxckpt").glob("_*.py") if not p.stem.startswith("__")
+    )
+    words = [
+        r"jaxckpt\._[a-z]\w*",
+        rf"`({'|'.join(private)})(\.py)?[`.]",
+        r"\bissues? \d+",
+        r"\bformats? [123]\b",
+    ]
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name in ("architecture.md", "development.md", "layout.md"):
+            continue
+        for word in words:
+            found = re.search(word, page.read_text())
+            assert not found, (page.name, found and found.group(0))
+
+
 def test_the_readme_has_no_sample_but_the_quickstart():
     readme = blocks((REPO / "README.md").read_text())
     assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]
