@@ -4,6 +4,7 @@ restored onto other meshes, and continued in place by jaxckpt, and read back by 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -700,3 +701,53 @@ def test_a_writer_on_gcs_removes_only_its_own_unfinished_saves(gcs_dir, mesh):
     assert (root / "ckpt_12" / "default" / "_METADATA").exists()
     with jaxckpt.CheckpointManager(gcs_dir, read_only=True) as m:
         assert m.all_steps() == [STEP, STEP + 2]
+
+
+def _side_by_side() -> list[tuple[str, str]]:
+    """The rows of "The calls, side by side" in docs/from-orbax.md: (Orbax's, jaxckpt's)."""
+    page = (REPO / "docs" / "from-orbax.md").read_text()
+    part = page[page.index("## The calls, side by side") :].split("\n## ")[0]
+    rows = re.findall(r"^\| `(.+?)` \| `(.+?)` \|$", part, flags=re.M)
+    assert len(rows) >= 8, rows
+    return rows
+
+
+def _run_column(cells: list[str], directory) -> tuple[list, object]:
+    """Each cell of one side in order, in one namespace: what each expression answers, and
+    the iterator's next batch after them all (the restore moved it to where it was saved)."""
+    import grain
+
+    dataset = grain.MapDataset.range(64).batch(4)
+    state = {"params": {"w": jnp.arange(32.0).reshape(8, 4)}, "count": jnp.asarray(3)}
+    ns = {
+        "grain": grain, "ocp": ocp, "jaxckpt": jaxckpt, "DIR": str(directory), "step": 10,
+        "state": state, "it": iter(dataset.to_iter_dataset()),
+        "target": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+    }  # fmt: skip
+    next(ns["it"])  # one batch read before the save
+    answers = []
+    for cell in cells:
+        try:
+            code = compile(cell, "<cell>", "eval")
+        except SyntaxError:
+            exec(cell, ns)
+            answers.append(None)
+        else:
+            answers.append(eval(code, ns))
+    return answers, next(ns["it"])
+
+
+def test_each_row_of_the_side_by_side_table_answers_the_same_on_both_sides(tmp_path):
+    # an action answers nothing in jaxckpt, and None or True ("done") in Orbax; a query
+    # answers the same on both sides, bitwise; the iterator is where both restores put it
+    rows = _side_by_side()
+    orbax, orbax_next = _run_column([o for o, _ in rows], tmp_path / "orbax")
+    ours, our_next = _run_column([j for _, j in rows], tmp_path / "jaxckpt")
+    assert np.array_equal(orbax_next, our_next) and our_next.tolist() == [4, 5, 6, 7]
+    for (cell, _), a, b in zip(rows, orbax, ours, strict=True):
+        if b is None:
+            assert a in (None, True), cell
+            continue
+        assert jax.tree.structure(a) == jax.tree.structure(b), cell
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), cell
