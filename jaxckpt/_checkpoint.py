@@ -115,7 +115,17 @@ class Checkpoint:
     ) -> Restored:
         """A committed step onto a target (`step=None`: the latest committed one), verified
         against its manifest; the arguments are
-        [`CheckpointManager.restore`][jaxckpt.CheckpointManager.restore]'s."""
+        [`CheckpointManager.restore`][jaxckpt.CheckpointManager.restore]'s.
+
+        >>> import jax.numpy as jnp, numpy as np, tempfile, jaxckpt
+        >>> directory = tempfile.mkdtemp()
+        >>> with jaxckpt.CheckpointManager(directory) as mngr:
+        ...     for step in (1, 2):
+        ...         mngr.save(step, state={"w": jnp.full(2, float(step)), "b": jnp.zeros(2)})
+        >>> with jaxckpt.open(directory) as ckpt:  # the leaves a target names, of step 1
+        ...     ckpt.read(1, state={"w": np.zeros(2, np.float32)}, partial=True).state
+        {'w': array([1., 1.], dtype=float32)}
+        """
         wanted = Wanted(state, rng, data, data_mismatch_ok, partial, item)
         return self._reader.read(step, wanted, fallback)
 

@@ -60,6 +60,17 @@ log = logging.getLogger("jaxckpt")
 class CheckpointManager:
     """Saves and restores a whole training state asynchronously, one folder per step.
 
+    >>> import jax.numpy as jnp, tempfile, jaxckpt
+    >>> policy = jaxckpt.SavePolicy(every_steps=10)
+    >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp(), policy=policy) as mngr:
+    ...     for step in range(1, 31):
+    ...         state = {"w": jnp.full(4, float(step))}  # a training step
+    ...         if mngr.should_save(step):
+    ...             mngr.save(step, state=state)
+    ...     mngr.wait()
+    ...     mngr.all_steps(), mngr.restore(state=state).state["w"].tolist()
+    ([10, 20, 30], [30.0, 30.0, 30.0, 30.0])
+
     Args:
       directory: where the steps live; created if missing. A relative path is resolved
         against the working directory here, once.
@@ -272,6 +283,12 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """True when `step` should be saved: per the save policy, or for a preemption.
 
+        >>> import tempfile, jaxckpt
+        >>> policy = jaxckpt.SavePolicy(every_steps=100)
+        >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp(), policy=policy) as mngr:
+        ...     [step for step in range(1, 301) if mngr.should_save(step)]
+        [100, 200, 300]
+
         Call it at every step on every process, with the same step numbers: with several
         processes, the step saved for a notice (or for `every_seconds`) is agreed from them.
         It reads no files and makes no request until a notice; then it may wait for the
@@ -296,6 +313,13 @@ class CheckpointManager:
         self, step: int, *, state: Any, rng: Any = None, data: Any = None, meta: Any = None
     ) -> None:
         """Starts saving `step` and returns once the arrays are copied off the devices.
+
+        >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
+        >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp()) as mngr:
+        ...     mngr.save(100, state={"w": jnp.ones((8, 8))}, rng=jax.random.key(0), meta={"loss": 0.25})
+        ...     mngr.wait()  # (or train on: the write goes on in the background)
+        ...     mngr.meta(100)
+        {'loss': 0.25}
 
         The write continues in the background; the step becomes visible to `all_steps()` and
         `restore()` only when committed. An error in the background is raised by the next
@@ -442,6 +466,17 @@ class CheckpointManager:
         item: str | None = None,
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
+
+        >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp()) as mngr:
+        ...     mngr.save(1, state={"w": jnp.arange(64.0).reshape(8, 8)})
+        ...     mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        ...     on_mesh = NamedSharding(mesh, P("data"))  # rows split over the devices
+        ...     target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=on_mesh)}
+        ...     restored = mngr.restore(state=target)
+        >>> restored.step, restored.state["w"].sharding == on_mesh, float(restored.state["w"][7, 7])
+        (1, True, 63.0)
 
         A save of this manager still in flight is waited for first (and its failure raised),
         so a process always sees its own saves. With `verify_on_restore` (the default) the

@@ -36,6 +36,15 @@ def export_orbax(
     it. The checkpoint is written beside `out_dir` and renamed into place: a failed export
     leaves `out_dir` as it was.
 
+    >>> import jax.numpy as jnp, orbax.checkpoint as ocp, tempfile, jaxckpt
+    >>> directory, out = tempfile.mkdtemp(), tempfile.mkdtemp() + "/orbax"
+    >>> with jaxckpt.CheckpointManager(directory) as mngr:
+    ...     mngr.save(1, state={"w": jnp.arange(3.0)})
+    >>> jaxckpt.export_orbax(directory, out)  # the step exported
+    1
+    >>> ocp.StandardCheckpointer().restore(out)["w"].tolist()  # plain Orbax reads it
+    [0.0, 1.0, 2.0]
+
     Args:
       checkpoint_dir: a jaxckpt checkpoint directory, or one plain Orbax wrote (only read).
       out_dir: the Orbax checkpoint to write; must not exist or be empty, unless `overwrite`.

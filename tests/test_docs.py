@@ -516,6 +516,26 @@ def test_api_at_a_glance_prints_the_codes_signatures():
                 assert eval(value, names) == defaults[name], (path, name, value, defaults[name])
 
 
+def test_every_main_call_shows_an_example_the_doctests_run():
+    """The calls a user starts from each carry an example in their docstring (pytest's
+    --doctest-modules runs them, as `make test` does)."""
+    main_calls = [
+        jaxckpt.CheckpointManager,
+        jaxckpt.CheckpointManager.save,
+        jaxckpt.CheckpointManager.restore,
+        jaxckpt.CheckpointManager.should_save,
+        jaxckpt.open,
+        jaxckpt.Checkpoint.read,
+        jaxckpt.restore_or_init,
+        jaxckpt.export_safetensors,
+        jaxckpt.export_orbax,
+        jaxckpt.save_safetensors,
+        jaxckpt.load_safetensors,
+    ]
+    missing = [c.__qualname__ for c in main_calls if ">>> " not in (c.__doc__ or "")]
+    assert not missing, missing
+
+
 def test_the_reference_hook_finds_private_types():
     """docs/hooks/public_reference.py, which `make docs` runs on the built API page: the
     classes jaxckpt does not export are private, and the page names none of them."""

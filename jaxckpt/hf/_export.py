@@ -50,6 +50,14 @@ def export_safetensors(
     not match), so corrupt weights are never shipped. A step plain Orbax wrote has none:
     it is exported unverified.
 
+    >>> import jax.numpy as jnp, safetensors.numpy, tempfile, jaxckpt
+    >>> directory, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> with jaxckpt.CheckpointManager(directory) as mngr:
+    ...     mngr.save(1, state={"model": {"w": jnp.ones((4, 4))}})
+    >>> result = jaxckpt.export_safetensors(directory, out, dtype="bfloat16")
+    >>> result.files, safetensors.numpy.load_file(f"{out}/model.safetensors")["model.w"].shape
+    (('model.safetensors',), (4, 4))
+
     Args:
       checkpoint_dir: a jaxckpt checkpoint directory, or one plain Orbax wrote (only read;
         no lock needed).

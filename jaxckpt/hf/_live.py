@@ -40,6 +40,14 @@ def save_safetensors(
 ) -> _files.ExportResult:
     """Writes a live (sharded) state as HF safetensors from inside a training job.
 
+    >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> result = jaxckpt.save_safetensors({"w": w}, tempfile.mkdtemp(), overwrite=True)
+    >>> result.files, result.tensors  # each process wrote its own rows; nothing gathered
+    (('model.safetensors',), 1)
+
     Every process calls it with the same arguments. The file layout follows from names,
     dtypes and shapes alone, so process 0 writes the headers and sizes the files, then each
     process writes the bytes of its own shards at their offsets (one replica per shard, no

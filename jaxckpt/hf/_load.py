@@ -54,6 +54,12 @@ def load_safetensors(
 ) -> Any:
     """Loads a safetensors file or an HF directory (indexed or single-file) onto `target`.
 
+    >>> import jax.numpy as jnp, numpy as np, tempfile, jaxckpt
+    >>> out = tempfile.mkdtemp()
+    >>> _ = jaxckpt.save_safetensors({"w": jnp.arange(4.0)}, out, overwrite=True)
+    >>> jaxckpt.load_safetensors(out, {"w": np.zeros(4, np.float32)})["w"].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+
     Args:
       path: a `.safetensors` file, or a directory with `model.safetensors.index.json` or
         `model.safetensors`.
