@@ -1,5 +1,5 @@
 """gcsfs (fsspec's gs://, epath's backend too) whose requests are tried again as
-`_retries.retrying` tries them, all within a `_store_errors.within` block's deadline.
+`_retries.retrying` tries them, all within a `_store_time.within` block's deadline.
 
 gcsfs wraps one attempt of each request (its answer read whole) in its retries
 (`gcsfs.retry.retry_request`), their number fixed when its class is made, 1 to 16 s apart:
@@ -7,7 +7,7 @@ an endpoint that refuses connections took 35 s to give up, and 6 answers of 503 
 failed a save. This class tries the same attempt again while it fails for a moment, as
 `retrying` decides (or gcsfs's own `is_retriable`), for the give-up time; `bounded()` makes
 it fsspec's gs:// and gcs:// (each request's timeouts are fsspec's configuration:
-`_store_errors.configure`).
+`_store_clients.configure`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import gcsfs
 from gcsfs.retry import is_retriable
 
 from jaxckpt._retries import retrying
-from jaxckpt._store_errors import bounded_call
+from jaxckpt._store_time import bounded_call
 
 # (the `decorator` package, which made gcsfs's retries, keeps what it wrapped here)
 _ONE_ATTEMPT = gcsfs.GCSFileSystem._request.__wrapped__

@@ -127,10 +127,6 @@ def barrier_after_writes(
 
 # --- JAX's arrays --------------------------------------------------------------------
 
-# The alignment at which JAX's CPU client takes a host buffer as the device's own (zero
-# copy); at 16 (numpy's), it copies it (tests/test_orbax_boundary.py).
-CPU_ALIGNMENT = 64
-
 
 def device_buffers(array: jax.Array) -> list[jax.Array]:
     """An array's addressable single-device arrays, in the order of `addressable_shards`,
@@ -487,14 +483,14 @@ def _object_kvstores() -> None:
     knows only gs:// and local paths (google/orbax#359): an s3:// path was refused as a
     relative local one. That function is wrapped once: an s3:// directory's spec is built
     as the gs:// one of the same bucket and key (OCDBT over an object store: no file locks,
-    Orbax's read coalescing), then each GCS driver in it becomes `_storage.s3_kvstore`'s;
+    Orbax's read coalescing), then each GCS driver in it becomes `_s3_endpoint.s3_kvstore`'s;
     each driver of a store gets the context of its attempts. (tensorstore tried a request
     32 times, up to 32 s apart, and curl had no limit: a frozen store held a restore for
     ever.)"""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
     from jaxckpt._retries import with_store_context
-    from jaxckpt._store_errors import gcs_to_s3
+    from jaxckpt._s3_endpoint import gcs_to_s3
 
     build = tensorstore_utils.build_kvstore_tspec
 
@@ -521,7 +517,7 @@ def _aligned_reads() -> None:
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import serialization
 
-    from jaxckpt._memory import host_buffer
+    from jaxckpt._host_buffers import host_buffer
 
     read_shard = serialization._read_shard
 

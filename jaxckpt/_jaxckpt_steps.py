@@ -4,13 +4,28 @@ a step jaxckpt wrote (`_orbax_steps.OrbaxLayout` reads one plain Orbax wrote).""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from etils import epath
 
 from jaxckpt import _layout, _packed_read, _transfer
 from jaxckpt._tree import ReadRequest
 
-if TYPE_CHECKING:
-    from jaxckpt._orbax import OrbaxStore
+
+class StepFiles(Protocol):
+    """What a step's layout reads its files through (`_orbax.OrbaxStore` is one)."""
+
+    directory: epath.Path
+
+    def step_dir(self, step: int) -> epath.Path: ...
+
+    def check_sizes(self, info: _layout.StepInfo, item: str) -> None: ...
+
+    def read_orbax_arrays(
+        self, step: int, item: str, batch: Mapping[str, ReadRequest]
+    ) -> dict[str, Any]: ...
+
+    def open_file(self, folder: epath.Path, name: str, size: int | None = None) -> Any: ...
 
 
 class JaxckptLayout:
@@ -21,7 +36,7 @@ class JaxckptLayout:
 
     whole = False
 
-    def __init__(self, store: OrbaxStore, info: _layout.StepInfo):
+    def __init__(self, store: StepFiles, info: _layout.StepInfo):
         self._store, self._info = store, info
         self._checked: set[str] = set()  # items whose folder and file sizes were checked
         self._packed: _packed_read.PackedStep | None = None

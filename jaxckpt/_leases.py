@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt._retries import retried
-from jaxckpt._storage import S3Config, bucket_and_key, s3_config
-from jaxckpt._store_errors import botocore_settings, gcs_call_settings, give_up_s
+from jaxckpt._s3_endpoint import S3Config, s3_config
+from jaxckpt._storage import bucket_and_key
+from jaxckpt._store_time import botocore_settings, gcs_call_settings, give_up_s
 from jaxckpt.errors import ConfigError
 
 
@@ -80,7 +81,7 @@ def lease_object(url: str) -> _LeaseObject | None:
 
 class _GcsObject(_LeaseObject):
     """Generation preconditions (`ifGenerationMatch`, 0: absent). Each call is retried
-    for the give-up time at most (`_store_errors.gcs_call_settings`), not the client's
+    for the give-up time at most (`_store_time.gcs_call_settings`), not the client's
     two minutes."""
 
     def __init__(self, url: str):

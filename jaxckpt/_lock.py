@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from jaxckpt._layout import LOCK_FILE
 from jaxckpt._leases import Conflict, lease_object
 from jaxckpt._storage import file_kind, is_remote
-from jaxckpt._store_errors import ATTEMPTS, give_up_s
+from jaxckpt._store_time import ATTEMPTS, give_up_s
 from jaxckpt.errors import LockedError, NotWritableError
 
 log = logging.getLogger("jaxckpt")

@@ -1,7 +1,7 @@
 """The host memory a restore holds: its budget, and the staging it hands back.
 
 A restore reads each slice into a host buffer and places it on its device. On CPU devices
-the buffer is the device's array itself (`host_buffer`, pages of its own), and
+the buffer is the device's array itself (`_host_buffers.host_buffer`, pages of its own), and
 what is staged is tensorstore's: each chunk's bytes as read, freed once copied. Under
 glibc's default rule (its mmap threshold rises to the largest block freed, up to 32 MiB)
 the heap kept that freed staging between the arrays, and a restore of 1.5 GiB onto 8 CPU
@@ -24,16 +24,13 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Iterator
 
 import jax
-import numpy as np
 
 from jaxckpt import _agree
-from jaxckpt._internals import CPU_ALIGNMENT
 
 log = logging.getLogger("jaxckpt")
 
@@ -116,32 +113,3 @@ def auto_inflight_bytes() -> int:
     if jax.process_count() > 1:
         mib = min(int(found) for found in _agree.gather("each host's restore budget", str(mib)))
     return mib * 2**20
-
-
-OWN_PAGES_BYTES = 2**20  # from this size a `host_buffer` is pages of its own
-
-
-def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array that JAX's CPU client takes as a device's own
-    buffer, with no copy. One of `OWN_PAGES_BYTES` or more is anonymous pages of its own,
-    unmapped when the array dies: never in the heap, where the freed buffers around it
-    could not go back to the system, and faulted in as plain pages (numpy asks the kernel
-    for huge pages for its large arrays, and here their faults compacted memory: a 1.5 GiB
-    restore onto 8 CPU devices took 2.9-3.4 s in such buffers, 1.8-1.9 s in these)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    private = getattr(mmap, "MAP_PRIVATE", None)
-    if nbytes < OWN_PAGES_BYTES or private is None:  # (page-aligned, below)
-        return aligned_empty(shape, dtype)
-    pages = mmap.mmap(-1, nbytes, flags=private | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(pages, dtype).reshape(shape)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array at a `CPU_ALIGNMENT`-byte address: placed on a
-    CPU device, it becomes that device's buffer with no copy."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + CPU_ALIGNMENT, np.uint8)
-    at = -raw.ctypes.data % CPU_ALIGNMENT
-    return raw[at : at + nbytes].view(dtype).reshape(shape)

@@ -53,7 +53,7 @@ import json
 import math
 import queue
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Self, TypeVar
 
 import jax
 import numpy as np
@@ -67,9 +67,6 @@ from jaxckpt._plan import holders
 from jaxckpt._storage import file_sizes, is_remote, read_small, write_file
 from jaxckpt._tiling import bounds_of, within
 from jaxckpt._tree import dtype_name
-
-if TYPE_CHECKING:
-    from jaxckpt._incremental import SavedPieces
 
 MAX_LEAF_BYTES = 2**20  # a leaf of at most this many bytes (all shards) is packed
 INDEX_FORMAT = 2  # format 1 (read too): pieces without digests
@@ -159,6 +156,22 @@ def filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> n
 
 
 Bounds = tuple[tuple[int, int], ...]
+
+
+class Base(Protocol):
+    """The pieces an incremental save writes against (`_incremental.SavedPieces` is one):
+    where each of the earlier step's pieces is, and the base this save makes."""
+
+    def entry(self, item: str, name: str, bounds: Bounds) -> list: ...
+
+    def held(
+        self, item: str, name: str, dtype: np.dtype, shape: tuple[int, ...], bounds: Bounds
+    ) -> list | None: ...
+
+    def next(self, step: int, data_file: str, leaves: Iterable[tuple], entries: list) -> Self: ...
+
+
+B = TypeVar("B", bound=Base)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -325,10 +338,10 @@ def _all(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 def write(
     folder: epath.Path,
     pieces: HostPieces,
-    base: SavedPieces | None = None,
+    base: B | None = None,
     step: int | None = None,
     codec: str | None = None,
-) -> tuple[dict[str, tuple[int, str]], SavedPieces | None]:
+) -> tuple[dict[str, tuple[int, str]], B | None]:
     """This process's files in the step's packed folder (in the save's background): the
     pieces streamed in order, each leaf assembled only as its turn comes, so that the host
     holds at most one leaf beyond what the save copied off the devices. Returns the size

@@ -17,8 +17,8 @@ from etils import epath
 
 from jaxckpt import _codec
 from jaxckpt._damage import Damaged, Incomplete
+from jaxckpt._host_buffers import host_buffer
 from jaxckpt._layout import INFO_PATH, PACKED, PACKED_INDEX, packed_files
-from jaxckpt._memory import host_buffer
 from jaxckpt._packed import INCREMENTAL_FORMAT, INDEX_FORMAT, filled, piece_digest
 from jaxckpt._packed_index import Bounds, Piece, is_compressed, leaf_entry
 from jaxckpt._storage import SizeError, file_sizes, is_remote, open_inside, read_small
@@ -301,7 +301,7 @@ class PackedStep:
     def read_sharded(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
         """The leaves `requests` names, each onto its sharding, read shard by shard: each
         of this process's distinct shards into a buffer of its own that becomes its
-        devices' (`_memory.host_buffer`: on CPU devices with no copy), a piece of the
+        devices' (`_host_buffers.host_buffer`: on CPU devices with no copy), a piece of the
         same bounds read straight into it, others read one at a time and copied where they
         overlap. Nothing of a leaf's size is assembled on the host. On object storage the
         pieces are read first, all of them in as few requests as `read_pieces` makes (one

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from jaxckpt import _store_errors
+from jaxckpt import _store_failures, _store_time
 
 R = TypeVar("R")
 log = logging.getLogger("jaxckpt")
@@ -65,19 +65,19 @@ def transient(error: BaseException) -> bool:
     """Whether `error` (or one it was raised from) is a failure that passes: the store's 5xx,
     429 or 408, a throttling code, a connection refused, reset or cut short, a request that
     was not answered in time."""
-    for cause in _store_errors.causes(error):
-        status, code = _store_errors.status(cause)
+    for cause in _store_failures.causes(error):
+        status, code = _store_failures.status(cause)
         if code in _PASSING_CODES or status in (408, 429) or (status or 0) >= 500:
             return True
         if status is not None:  # the store answered otherwise: not passing
             return False
-        if _store_errors.kind(cause) == "unreachable":
+        if _store_failures.kind(cause) == "unreachable":
             return True
-        if _store_errors.is_one(
+        if _store_failures.is_one(
             cause, "aiohttp", "ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"
         ):
             return True
-        if _store_errors.is_one(
+        if _store_failures.is_one(
             cause, "botocore.exceptions", "ResponseStreamingError", "IncompleteReadError"
         ):
             return True
@@ -91,8 +91,8 @@ class _Tries:
     time has passed since the first (or the `within` block it runs in ends)."""
 
     def __init__(self, also: Callable[[BaseException], bool] | None = None) -> None:
-        self._end = time.monotonic() + _store_errors.give_up_s()
-        if (inside := _store_errors.time_left()) is not None:
+        self._end = time.monotonic() + _store_time.give_up_s()
+        if (inside := _store_time.time_left()) is not None:
             self._end = min(self._end, time.monotonic() + inside)
         self._also, self._tried = also, 0
 
@@ -163,6 +163,6 @@ def with_store_context(spec: Any) -> Any:
         return spec
     spec = {key: with_store_context(value) for key, value in spec.items()}
     if spec.get("driver") in ("gcs", "s3") and "context" not in spec:
-        retries = tensorstore_retries(_store_errors.give_up_s())
+        retries = tensorstore_retries(_store_time.give_up_s())
         spec["context"] = {f"{spec['driver']}_request_retries": retries}
     return spec

@@ -1,8 +1,8 @@
 """s3fs (fsspec's s3://, epath's backend too) whose requests are tried again as
-`_retries.retrying` tries them, all within a `_store_errors.within` block's deadline.
+`_retries.retrying` tries them, all within a `_store_time.within` block's deadline.
 
 botocore tries each request once (its `Config`, fsspec's configuration:
-`_store_errors.configure`) and so does s3fs (`S3FileSystem.retries`, a class attribute: it
+`_store_clients.configure`) and so does s3fs (`S3FileSystem.retries`, a class attribute: it
 tried what botocore gave up on 5 times more); this class tries each request again while it
 fails for a moment, for the give-up time: an object's body read with the request that
 fetched it (a connection cut short mid-body is tried again too). `bounded()` makes it
@@ -19,7 +19,7 @@ import s3fs
 from fsspec.asyn import sync_wrapper
 
 from jaxckpt._retries import retrying
-from jaxckpt._store_errors import bounded_call
+from jaxckpt._store_time import bounded_call
 
 
 class S3FileSystem(s3fs.S3FileSystem):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxckpt import _internals, _orbax, _store_errors
+from jaxckpt import _internals, _orbax, _store_errors, _store_time
 from jaxckpt._lock import ObjectLease, WriterLock
 from jaxckpt.errors import LockedError, SaveError
 
@@ -38,7 +38,7 @@ def save_error(
     try:
         # One listing, and bounded (a third of the give-up time, in all): the store may be
         # what failed the save, and an error path never waits on it long.
-        with _store_errors.within(_store_errors.give_up_s() / _store_errors.ATTEMPTS):
+        with _store_time.within(_store_time.give_up_s() / _store_time.ATTEMPTS):
             committed = store.steps()
     except Exception as e:  # the steps as last listed, then
         log.warning("could not list %s after the failed save: %s", store.directory, e)

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import jaxckpt
-from jaxckpt import _internals, _orbax, _retries, _store_errors
+from jaxckpt import _internals, _orbax, _retries, _store_time
 
 
 def test_the_managers_checkpointer_is_there_to_wait_for(tmp_path):
@@ -167,7 +167,7 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
         )
     # Each store's driver tries a request again for the give-up time (_retries), not
     # tensorstore's 32 times up to 32 s apart (issue 49), nor 3 times (issue 64).
-    wanted = json.dumps(_retries.tensorstore_retries(_store_errors.give_up_s()))
+    wanted = json.dumps(_retries.tensorstore_retries(_store_time.give_up_s()))
     for url, retries in (
         ("s3://b/k", "s3_request_retries"),
         ("gs://bucket/k", "gcs_request_retries"),
@@ -347,7 +347,7 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
             np.testing.assert_array_equal(shard, want)
             placed = jax.device_put(shard, jax.devices("cpu")[0])
             assert placed.unsafe_buffer_pointer() == shard.ctypes.data, (
-                "JAX's CPU client copied an aligned host buffer: update _internals.CPU_ALIGNMENT"
+                "JAX's CPU client copied an aligned host buffer: update _host_buffers.CPU_ALIGNMENT"
             )
             del placed
             assert np.array_equal(shard, want)  # the buffer outlives the device's array

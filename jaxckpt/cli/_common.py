@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from jaxckpt import _store_errors
+from jaxckpt import _store_errors, _store_time
 from jaxckpt._escape import Formatter, escape, escape_markup
 from jaxckpt._storage import files_below, is_remote
 from jaxckpt.errors import ConfigError, JaxckptError, NoCheckpointError
@@ -129,7 +129,7 @@ QUIET_OPTION = click.option(
 
 def set_storage_timeout(_ctx: click.Context, _param, seconds: float | None) -> None:
     if seconds is not None:  # read by the library where it makes a store's clients
-        os.environ[_store_errors.VARIABLE] = repr(seconds)
+        os.environ[_store_time.VARIABLE] = repr(seconds)
 
 
 # Before the command or after it, as -q. A command on a store that does not answer ends
@@ -142,8 +142,8 @@ STORAGE_TIMEOUT_OPTION = click.option(
     expose_value=False,
     callback=set_storage_timeout,
     help=f"Give up on a gs:// or s3:// store that does not answer after SECONDS and the "
-    f"pauses between attempts (default: ${_store_errors.VARIABLE}, else "
-    f"{_store_errors.DEFAULT_S:g}).",
+    f"pauses between attempts (default: ${_store_time.VARIABLE}, else "
+    f"{_store_time.DEFAULT_S:g}).",
 )
 
 

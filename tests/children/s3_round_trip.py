@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _s3_endpoint
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
         m.save(1, state={"x": x})
     with jaxckpt.CheckpointManager(sys.argv[1], read_only=True) as m:
         assert m.restore().state["x"].tobytes() == x.tobytes()
-    print(_storage.s3_config())
+    print(_s3_endpoint.s3_config())
 
 
 if __name__ == "__main__":
