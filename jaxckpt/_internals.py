@@ -30,6 +30,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxckpt import _orbax_log
+from jaxckpt._host_buffers import host_buffer
+from jaxckpt._retries import with_store_context
+from jaxckpt._s3_endpoint import gcs_to_s3
+
 # --- Orbax's saves ---------------------------------------------------------------------
 
 
@@ -331,7 +336,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from jaxckpt import _orbax_log
 
     _orbax_log.demote_noise()
     _checksums()
@@ -489,9 +493,6 @@ def _object_kvstores() -> None:
     ever.)"""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    from jaxckpt._retries import with_store_context
-    from jaxckpt._s3_endpoint import gcs_to_s3
-
     build = tensorstore_utils.build_kvstore_tspec
 
     @functools.wraps(build)
@@ -516,8 +517,6 @@ def _aligned_reads() -> None:
     heap.) It reads as Orbax's does; a shard Orbax casts goes through Orbax's."""
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import serialization
-
-    from jaxckpt._host_buffers import host_buffer
 
     read_shard = serialization._read_shard
 
