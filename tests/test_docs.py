@@ -32,8 +32,8 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*\{?\s*\.?([\w+-]*)[^`]*$")
 PATHS = re.compile(r"""(["'])/(ckpt|mnt)/""")
 BUCKETS = re.compile(r"""(["'])(gs|s3)://(?:my-)?bucket/""")  # run on the test servers
 # Pages whose samples a test of their own runs (more than once, with other checks); Home's
-# one sample is the Quickstart, which test_the_quickstart_resumes_bitwise_after_a_preemption
-# runs.
+# one sample is the README's first example, which
+# test_the_first_example_runs_as_printed_and_again_from_its_newest_step runs.
 OWN_TEST = {"guide.md", "equinox.md", "index.md"}
 # What a page's output must hold: what its samples print.
 PRINTS = {
@@ -249,15 +249,45 @@ def test_no_internal_word_on_a_users_page():
             assert not found, (page.name, found and found.group(0))
 
 
-def test_the_readme_has_no_sample_but_the_quickstart():
+def readme_first_example() -> str:
+    """README.md's first sample, before its Quickstart: Home's first screen shows it."""
+    (block, *_) = [b for b in blocks((REPO / "README.md").read_text()) if b.language == "python"]
+    return block.code
+
+
+def test_the_readme_has_no_sample_but_the_first_example_and_the_quickstart():
     readme = blocks((REPO / "README.md").read_text())
-    assert [b.code for b in readme if b.language == "python"] == [readme_quickstart()]
+    found = [b.code for b in readme if b.language == "python"]
+    assert found == [readme_first_example(), readme_quickstart()]
+    assert readme_first_example() != readme_quickstart()
 
 
-def test_home_shows_the_readmes_quickstart_and_feature_table():
-    """docs/index.md, the site's landing page, holds README.md's Quickstart (that test
-    runs it) and its feature table, its links made the site's (`docs/x.md` -> `x.md`)."""
-    assert [b.code for b in python_blocks(DOCS / "index.md")] == [readme_quickstart()]
+def test_the_first_example_runs_as_printed_and_again_from_its_newest_step(tmp_path):
+    """Home's and the README's first example, as a user runs it (in a directory of theirs,
+    its steps under it): run twice, it prints what its comment says both times, the second
+    time from the steps the first saved. It writes nowhere but under the working directory
+    (a user who is not root writes there; /ckpt/... they may not create)."""
+    code = readme_first_example()
+    (expected,) = re.findall(r"print\(.*\)  # (.+)$", code, flags=re.M)
+    script = tmp_path / "first_example.py"
+    script.write_text(code)
+    for _ in range(2):
+        proc = run_python(str(script), cwd=tmp_path)
+        assert proc.stdout.strip().splitlines()[-1] == expected, proc.stdout[-500:]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints" / "first").iterdir())
+    assert [n for n in saved if n.isdigit()] == ["10", "20", "30"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "first_example.py"]
+
+
+def test_home_shows_the_readmes_first_example_and_feature_table():
+    """docs/index.md, the site's landing page, holds README.md's first example (that test
+    runs it), with its install line before it, and its feature table, its links made the
+    site's (`docs/x.md` -> `x.md`); the Quickstart is one click away, in Getting started."""
+    home = (DOCS / "index.md").read_text()
+    assert [b.code for b in python_blocks(DOCS / "index.md")] == [readme_first_example()]
+    assert home.index("pip install '.[train]'") < home.index("import jaxckpt")
+    assert home.index("import jaxckpt") < home.index("## Why not plain Orbax")
+    assert "(guide.md#quickstart)" in home
 
     def table(text: str) -> list[str]:
         rows = section(text, "## What it does").splitlines()
