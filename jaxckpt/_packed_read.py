@@ -227,6 +227,7 @@ class PackedStep:
                     else f"{rel}, which holds pieces of this step, is missing"
                 )
             if real < claimed:
+                self._unless_foreign([p for p in self.pieces() if p.source() == source])
                 raise Damaged(
                     f"{'' if owner is not None else PACKED + '/'}{rel} holds {real} bytes, "
                     f"fewer than the {claimed} the index places pieces in"
@@ -286,7 +287,7 @@ class PackedStep:
                         out[p] = view[p.offset - start : p.offset - start + p.size]
                         if p.stored is not None:
                             out[p] = _codec.decompressed(out[p], p.nbytes, _at(p, where))
-                        _check(p, out[p].data, where)
+                        self._check(p, out[p].data, where)
         return out
 
     def _file_of(self, piece: Piece) -> tuple[Any, str, str, int | None]:
@@ -297,6 +298,42 @@ class PackedStep:
         # from the directory down, no link followed: never out of it
         rel = f"{piece.owner}/{PACKED}/{piece.file}"
         return self.directory, rel, rel, self._owner_files(piece.owner).get(str(piece.file))
+
+    def _check(self, piece: Piece, data: Any, where: str) -> None:
+        """`_check`: a piece's bytes against its digest. A piece of an earlier step whose
+        bytes disagree, where that step's own index places other bytes there, is no damage:
+        the step of that number here is not the one this step was saved beside (another
+        run's, copied in): `Incomplete`."""
+        try:
+            _check(piece, data, where)
+        except Damaged:
+            self._unless_foreign([piece])
+            raise
+
+    def _unless_foreign(self, pieces: list[Piece]) -> None:
+        """`Incomplete` if these pieces of an earlier step (one owner) are not where that
+        step's own index places pieces of their digests: the step of that number here is
+        not the one this step was saved beside (another run's, copied in), whose files may
+        well be whole. Nothing where that index says the same, or cannot be read (damage)."""
+        owner = pieces[0].owner
+        if owner is None or owner == self.step:
+            return
+        try:
+            step = PackedStep(self.directory / str(owner) / PACKED, self.processes)
+            own = {
+                (p.file or packed_files(p.process, self.processes)[0], p.offset, p.digest)
+                for p in step.pieces()
+                if p.owner in (None, owner)
+            }
+        except (OSError, ValueError):
+            return
+        if any((p.file, p.offset, p.digest) not in own for p in pieces):
+            raise Incomplete(
+                f"it shares bytes with step {owner}, but the step {owner} in this directory "
+                "is another one (its index places other bytes there: another run's step, "
+                "copied in?): copy the step it was saved beside, or export this step from "
+                "where it was saved (jaxckpt export --format orbax)"
+            ) from None
 
     def read_sharded(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:
         """The leaves `requests` names, each onto its sharding, read shard by shard: each
@@ -390,7 +427,7 @@ class PackedStep:
                     f"{where} ends at byte {piece.offset + got}, before the piece its index "
                     f"places up to byte {piece.offset + piece.nbytes}"
                 )
-        _check(piece, view.data, where)
+        self._check(piece, view.data, where)
         if exact is None:
             _place(piece, blob, dtype, regions)
 

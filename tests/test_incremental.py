@@ -580,6 +580,46 @@ def test_a_step_copied_without_the_step_it_shares_bytes_with_is_named_incomplete
         _assert_bitwise(m.restore(2, state={"base": base}, partial=True).state["base"], base)
 
 
+@pytest.mark.parametrize("size", ["same size", "shorter"])
+def test_a_step_beside_another_runs_step_of_the_same_number_is_named_so_not_damaged(
+    mesh, ckpt_dir, tmp_path, size
+):
+    # Before: "the file is damaged" (CorruptCheckpointError): step 0 there is whole, just
+    # not the step 2 was saved beside
+    import shutil
+
+    base = _saved(mesh, ckpt_dir)
+    other = tmp_path / "other-run"
+    state = {"base": {k: v + 1.0 for k, v in base.items()}}  # another run's step 0: other bytes
+    if size == "same size":  # (its pieces where this run's are: their digests disagree)
+        state["adapters"] = _adapters(mesh, 0)
+    with jaxckpt.CheckpointManager(other) as m:
+        m.save(0, state=state)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copytree(other / "0", mixed / "0")
+    shutil.copytree(ckpt_dir / "2", mixed / "2")
+    want = "incomplete: it shares bytes with step 0, but the step 0 in this directory is another"
+    with (
+        jaxckpt.CheckpointManager(mixed, read_only=True) as m,
+        pytest.raises(jaxckpt.errors.IncompleteStepError, match=want),
+    ):
+        m.restore(2, state={"base": base}, partial=True)
+    reports = {r.step: r for r in jaxckpt.verify(mixed)}
+    assert reports[0].ok and "is another one" in " ".join(reports[2].problems)
+    # a byte flipped in the step's true owner is still damage
+    place = _first_piece(_index(ckpt_dir, 0)[1])[0] + 1000
+    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
+        f.seek(place)
+        byte = f.read(1)
+        f.seek(place)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m:
+        with pytest.raises(CorruptCheckpointError, match="the file is damaged") as raised:
+            m.restore(2, state={"base": base}, partial=True)
+        assert not isinstance(raised.value, jaxckpt.errors.IncompleteStepError)
+
+
 def _rewrite_manifest(ckpt_dir, step):
     """The step's manifest made to agree with its files as they are now (a summary edited
     by hand or by a tool: no checksum then says anything is wrong)."""
