@@ -158,7 +158,7 @@ def filled(shape: tuple[int, ...], dtype: np.dtype, parts: Iterable[tuple]) -> n
 Bounds = tuple[tuple[int, int], ...]
 
 
-class Base(Protocol):
+class EarlierPieces(Protocol):
     """The pieces an incremental save writes against (`_incremental.SavedPieces` is one):
     where each of the earlier step's pieces is, and the base this save makes."""
 
@@ -171,7 +171,7 @@ class Base(Protocol):
     def next(self, step: int, data_file: str, leaves: Iterable[tuple], entries: list) -> Self: ...
 
 
-B = TypeVar("B", bound=Base)
+B = TypeVar("B", bound=EarlierPieces)
 
 
 @functools.lru_cache(maxsize=4096)
