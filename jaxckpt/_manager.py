@@ -467,7 +467,7 @@ class CheckpointManager:
     ) -> Restored:
         """Restores a committed step (`step=None`: the latest committed one).
 
-        >>> import jax, jax.numpy as jnp, tempfile, jaxckpt
+        >>> import jax, jax.numpy as jnp, numpy as np, tempfile, jaxckpt
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp()) as mngr:
         ...     mngr.save(1, state={"w": jnp.arange(64.0).reshape(8, 8)})
@@ -475,8 +475,9 @@ class CheckpointManager:
         ...     on_mesh = NamedSharding(mesh, P("data"))  # rows split over the devices
         ...     target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=on_mesh)}
         ...     restored = mngr.restore(state=target)
-        >>> restored.step, restored.state["w"].sharding == on_mesh, float(restored.state["w"][7, 7])
-        (1, True, 63.0)
+        >>> w = restored.state["w"]
+        >>> restored.step, w.sharding == on_mesh, np.asarray(w)[7, 7]
+        (1, True, np.float32(63.0))
 
         A save of this manager still in flight is waited for first (and its failure raised),
         so a process always sees its own saves. With `verify_on_restore` (the default) the

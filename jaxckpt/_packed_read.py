@@ -227,7 +227,7 @@ class PackedStep:
                     else f"{rel}, which holds pieces of this step, is missing"
                 )
             if real < claimed:
-                self._unless_foreign([p for p in self.pieces() if p.source() == source])
+                self._unless_foreign(owner)
                 raise Damaged(
                     f"{'' if owner is not None else PACKED + '/'}{rel} holds {real} bytes, "
                     f"fewer than the {claimed} the index places pieces in"
@@ -307,15 +307,15 @@ class PackedStep:
         try:
             _check(piece, data, where)
         except Damaged:
-            self._unless_foreign([piece])
+            self._unless_foreign(piece.owner)
             raise
 
-    def _unless_foreign(self, pieces: list[Piece]) -> None:
-        """`Incomplete` if these pieces of an earlier step (one owner) are not where that
-        step's own index places pieces of their digests: the step of that number here is
-        not the one this step was saved beside (another run's, copied in), whose files may
-        well be whole. Nothing where that index says the same, or cannot be read (damage)."""
-        owner = pieces[0].owner
+    def _unless_foreign(self, owner: int | None) -> None:
+        """`Incomplete` if the step `owner` here holds none of the pieces this step refers
+        to in it where its own index places them: it is not the step this one was saved
+        beside (another run's, copied in), whose files may well be whole. Nothing where one
+        of them is there (a damaged file, or a hostile entry of this step's: damage), or
+        that step's index cannot be read (damage too)."""
         if owner is None or owner == self.step:
             return
         try:
@@ -327,7 +327,7 @@ class PackedStep:
             }
         except (OSError, ValueError):
             return
-        if any((p.file, p.offset, p.digest) not in own for p in pieces):
+        if not any((p.file, p.offset, p.digest) in own for p in self.pieces() if p.owner == owner):
             raise Incomplete(
                 f"it shares bytes with step {owner}, but the step {owner} in this directory "
                 "is another one (its index places other bytes there: another run's step, "
