@@ -22,7 +22,6 @@ Writes `benchmarks/results/faults.md`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,30 +43,9 @@ OUTAGE = 10  # requests answered 503 in a row: the store down for a while
 
 def run_job(processes: int, env: dict[str, str], args: dict) -> list[dict]:
     """The worker in `processes` processes (8 CPU devices in all); each one's report."""
-    port = launch.free_port()
-    procs = [
-        launch.start(
-            "-m",
-            "benchmarks.faults_worker",
-            i,
-            processes,
-            8 // processes,
-            port,
-            json.dumps(args),
-            env={**os.environ, **env},
-            stdout=__import__("subprocess").PIPE,
-            text=True,
-        )
-        for i in range(processes)
-    ]
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=3600)
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise RuntimeError(f"a worker ended without a report (rc={p.returncode})")
-        reports.append(json.loads(lines[-1][len("RESULT ") :]))
-    return reports
+    return launch.job(
+        "benchmarks.faults_worker", processes=processes, args=args, timeout=3600, env=env
+    )
 
 
 def main() -> None:

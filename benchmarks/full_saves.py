@@ -108,14 +108,9 @@ def survives(directory: Path) -> bool:
 
 
 def child(setting: str, directory: Path) -> dict:
-    proc = launch.run(
-        "-m", "benchmarks.full_saves", "--worker", setting, str(directory),
-        timeout=1800, capture_output=True, text=True,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{setting} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][7:])
+    return launch.report(
+        "-m", "benchmarks.full_saves", "--worker", setting, directory, timeout=1800
+    )
 
 
 def main() -> int:

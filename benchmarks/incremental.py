@@ -132,19 +132,7 @@ def restore_worker(tool: str, scenario: str, directory: Path, mesh: str) -> dict
 
 
 def child(*args: str) -> dict:
-    proc = launch.run(
-        "-m",
-        "benchmarks.incremental",
-        "--worker",
-        *args,
-        timeout=1200,
-        capture_output=True,
-        text=True,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{args} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][7:])
+    return launch.report("-m", "benchmarks.incremental", "--worker", *args, timeout=1200)
 
 
 def main() -> int:

@@ -16,7 +16,6 @@ the largest batch and 32 MiB), and not far above it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -34,23 +33,9 @@ SHAPE = (2048, 4096)  # 32 MiB of float32 a leaf; --leaves 4 per group, two grou
 
 
 def run(mode: str, directory: Path, leaves: int, partial=False, inflight="auto") -> dict:
-    proc = launch.run(
-        "-m",
-        "benchmarks.plan_memory_worker",
-        mode,
-        directory,
-        int(partial),
-        inflight,
-        leaves,
-        *SHAPE,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{mode} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][7:])
+    worker = "benchmarks.plan_memory_worker"
+    args = (mode, directory, int(partial), inflight, leaves, *SHAPE)
+    return launch.report("-m", worker, *args, timeout=600)
 
 
 def main() -> int:

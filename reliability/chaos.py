@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -32,36 +31,9 @@ def run_job(function: str, processes: int, args: dict, env: dict | None = None) 
     """`children.<module>.<function>` in a job of `processes` (8 CPU devices in all), as
     tests/multihost.py runs one; each process's report. AssertionError if one fails."""
     module, name = function.rsplit(".", 1)
-    port = launch.free_port()
-    procs = [
-        launch.start(
-            "-m",
-            "children.job",
-            module,
-            name,
-            i,
-            processes,
-            8 // processes,
-            port,
-            json.dumps(args),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(processes)
-    ]
-    reports = []
-    try:
-        for i, p in enumerate(procs):
-            out, err = p.communicate(timeout=JOB_S)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert p.returncode == 0 and lines, f"process {i} exited {p.returncode}: {err[-1500:]}"
-            reports.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for p in procs:
-            p.kill()
-    return reports
+    return launch.job(
+        "children.job", module, name, processes=processes, args=args, timeout=JOB_S, env=env
+    )
 
 
 def uneven_trials(seed: int, trials: int) -> list[tuple[str, int, str]]:

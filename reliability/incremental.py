@@ -146,23 +146,45 @@ def check(directory: Path, compression: str | None = None) -> list[int]:
     return steps
 
 
+def _two_steps(d: Path) -> np.ndarray:
+    """Steps 1 and 2 of a frozen 2 MiB leaf (shared: a leaf of at most 1 MiB is written at
+    every save) and a small one: step 2 reads the frozen bytes from step 1's file. The
+    frozen leaf."""
+    import jaxckpt
+
+    base = frozen(2**19)
+    with jaxckpt.CheckpointManager(d, incremental=True) as m:
+        for step in (1, 2):
+            m.save(step, state={"x": expected(step)[:4096], "frozen": base})
+            m.wait()
+    return base
+
+
+def _flip(data: Path, at: int) -> None:
+    """The byte at `at` of the file `data` flipped."""
+    with open(data, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _flip_frozen(d: Path) -> None:
+    """A byte of the frozen bytes in step 1's file flipped."""
+    index = json.loads((d / "1" / "packed" / "0-of-1.json").read_text())
+    _flip(
+        d / "1" / "packed" / "0-of-1.bin", index["leaves"]["state"]["frozen"]["pieces"][0][0] + 100
+    )
+
+
 def shared_file_trial() -> str:
     import jaxckpt
     from jaxckpt import errors
 
     with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
         d = Path(tmp)
-        base = frozen(2**19)  # 2 MiB: shared (a leaf of at most 1 MiB is written each save)
-        with jaxckpt.CheckpointManager(d, incremental=True) as m:
-            for step in (1, 2):
-                m.save(step, state={"x": expected(step)[:4096], "frozen": base})
-                m.wait()
-        index = json.loads((d / "1" / "packed" / "0-of-1.json").read_text())
-        at = index["leaves"]["state"]["frozen"]["pieces"][0][0] + 100  # the frozen bytes
-        data = d / "1" / "packed" / "0-of-1.bin"
-        raw = bytearray(data.read_bytes())
-        raw[at] ^= 0x01
-        data.write_bytes(bytes(raw))
+        _two_steps(d)
+        _flip_frozen(d)
         reports = {r.step: r for r in jaxckpt.verify(d)}
         own = any("packed/0-of-1.bin" in p for p in reports[1].problems)
         shared = any(
@@ -207,11 +229,7 @@ def summaries_trial() -> str:
     for kind in SUMMARIES:
         with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
             d = Path(tmp)
-            base = frozen(2**19)
-            with jaxckpt.CheckpointManager(d, incremental=True) as m:
-                for step in (1, 2):
-                    m.save(step, state={"x": expected(step)[:4096], "frozen": base})
-                    m.wait()
+            base = _two_steps(d)
             _summary(d / "2", kind)
             keep = jaxckpt.RetentionPolicy(keep_last=2)
             with jaxckpt.CheckpointManager(d, incremental=True, retention=keep) as m:
@@ -249,17 +267,8 @@ def restarted_after_damage_trial() -> str:
 
     with tempfile.TemporaryDirectory(prefix="jaxckpt-incremental-") as tmp:
         d = Path(tmp)
-        base = frozen(2**19)
-        with jaxckpt.CheckpointManager(d, incremental=True) as m:
-            for step in (1, 2):
-                m.save(step, state={"x": expected(step)[:4096], "frozen": base})
-                m.wait()
-        index = json.loads((d / "1" / "packed" / "0-of-1.json").read_text())
-        at = index["leaves"]["state"]["frozen"]["pieces"][0][0] + 100
-        data = d / "1" / "packed" / "0-of-1.bin"
-        raw = bytearray(data.read_bytes())
-        raw[at] ^= 0x01
-        data.write_bytes(bytes(raw))
+        base = _two_steps(d)
+        _flip_frozen(d)
         with jaxckpt.CheckpointManager(d, incremental=True) as m:
             m.save(3, state={"x": expected(3)[:4096], "frozen": base})
         try:
@@ -302,11 +311,7 @@ def reach_trial() -> str:
             copy = Path(tmp) / f"copy-{step}"
             shutil.copytree(d, copy, symlinks=True)
             data = copy / str(step) / "packed" / "0-of-1.bin"
-            with open(data, "r+b") as f:
-                f.seek(data.stat().st_size // 2)
-                byte = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([byte[0] ^ 0x01]))
+            _flip(data, data.stat().st_size // 2)
             damaged = [r.step for r in jaxckpt.verify(copy) if not r.ok]
             worst = max(worst, len(damaged))
             try:

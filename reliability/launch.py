@@ -15,6 +15,7 @@ instead of blocking the parent (and CI) for ever.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,6 +54,49 @@ def run(
     return subprocess.run(
         command, timeout=timeout, **{"cwd": REPO, "env": environment(env), **kwargs}
     )
+
+
+def report(*argv: object, timeout: float) -> dict:
+    """`run` of a child that reports as it ends (a `RESULT <json>` line): the last report.
+    SystemExit with its stderr's tail if it failed or reported nothing (a benchmark stops)."""
+    proc = run(*argv, timeout=timeout, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{argv} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
+
+
+def job(
+    module: str,
+    *argv: object,
+    processes: int,
+    args: Mapping[str, Any],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> list[dict]:
+    """`python -m module *argv <i> <processes> <devices> <port> <args as JSON>` for each
+    process `i` of a job on 127.0.0.1 (8 CPU devices in all), to their ends: each one's
+    report, its last `RESULT <json>` line. AssertionError naming a process that failed or
+    reported nothing; every process is killed on the way out."""
+    port = free_port()
+    procs = [
+        start("-m", module, *argv, i, processes, 8 // processes, port, json.dumps(dict(args)),
+              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)
+    ]  # fmt: skip
+    reports = []
+    try:
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, (
+                f"process {i} exited {proc.returncode}: {err[-1500:]}"
+            )
+            reports.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return reports
 
 
 def describe(proc: subprocess.Popen) -> str:

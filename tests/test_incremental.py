@@ -159,16 +159,22 @@ def test_ls_shows_each_steps_own_bytes_what_it_shares_and_why_a_step_is_kept(mes
     assert (ckpt_dir / "0").is_dir()  # step 3 still shares step 0's
 
 
-@CODECS
-def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckpt_dir, compression):
-    _saved(mesh, ckpt_dir, compression=compression)
-    place = _first_piece(_index(ckpt_dir, 0)[1])[0]  # offset, or [offset, stored]
-    at = (place if compression is None else place[0]) + 1000  # in the base's bytes
-    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
+def _flip(ckpt_dir, step):
+    """One byte of the base's first piece in step `step`'s own data file flipped (raw or a
+    zstd frame: its stored bytes)."""
+    place = _first_piece(_index(ckpt_dir, step)[1])[0]  # offset, or [offset, stored]
+    at = (place[0] if isinstance(place, list) else place) + 1000
+    with open(ckpt_dir / str(step) / "packed" / "0-of-1.bin", "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@CODECS
+def test_a_damaged_shared_file_is_reported_for_every_step_that_uses_it(mesh, ckpt_dir, compression):
+    _saved(mesh, ckpt_dir, compression=compression)
+    _flip(ckpt_dir, 0)  # in the base's bytes
     reports = {r.step: r for r in jaxckpt.verify(ckpt_dir)}
     assert "packed/0-of-1.bin: contents changed" in " ".join(reports[0].problems)
     for step in (1, 2):
@@ -465,12 +471,7 @@ def test_a_restarted_job_never_refers_to_bytes_damaged_since(mesh, ckpt_dir):
     # Before: the restarted job took step 2's index as proof that step 0's file still held
     # the base; step 3 referred to the flipped byte and never restored.
     base = _saved(mesh, ckpt_dir, steps=3)
-    place = _first_piece(_index(ckpt_dir, 0)[1])[0]
-    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
-        f.seek(place + 1000)
-        byte = f.read(1)
-        f.seek(place + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(ckpt_dir, 0)
     with jaxckpt.CheckpointManager(ckpt_dir, incremental=True) as m:
         m.save(3, state={"base": base, "adapters": _adapters(mesh, 3)})
     assert _shares(ckpt_dir, 3) == [0]  # the other pieces, read back whole, referred to
@@ -498,16 +499,6 @@ def test_a_restarted_job_never_refers_to_a_step_linked_out_of_the_directory(
     assert _shares(ckpt_dir, 3) == [] and _own_bytes(ckpt_dir, 3) > BASE_BYTES
     with jaxckpt.CheckpointManager(ckpt_dir, read_only=True) as m:
         _assert_bitwise(m.restore(3, state={"base": base}, partial=True).state["base"], base)
-
-
-def _flip(ckpt_dir, step):
-    """One byte of the base's first piece in step `step`'s own data file flipped."""
-    at = _first_piece(_index(ckpt_dir, step)[1])[0] + 1000
-    with open(ckpt_dir / str(step) / "packed" / "0-of-1.bin", "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_one_damaged_file_reaches_at_most_full_save_every_steps(mesh, ckpt_dir):
@@ -607,13 +598,7 @@ def test_a_step_beside_another_runs_step_of_the_same_number_is_named_so_not_dama
         m.restore(2, state={"base": base}, partial=True)
     reports = {r.step: r for r in jaxckpt.verify(mixed)}
     assert reports[0].ok and "is another one" in " ".join(reports[2].problems)
-    # a byte flipped in the step's true owner is still damage
-    place = _first_piece(_index(ckpt_dir, 0)[1])[0] + 1000
-    with open(ckpt_dir / "0" / "packed" / "0-of-1.bin", "r+b") as f:
-        f.seek(place)
-        byte = f.read(1)
-        f.seek(place)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(ckpt_dir, 0)  # a byte flipped in the step's true owner is still damage
     with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, verify_on_restore=False) as m:
         with pytest.raises(CorruptCheckpointError, match="the file is damaged") as raised:
             m.restore(2, state={"base": base}, partial=True)
@@ -636,11 +621,9 @@ def _rewrite_manifest(ckpt_dir, step):
     (folder / "jaxckpt" / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("summary", ["missing", "emptied", "emptied, manifest agreeing"])
-def test_retention_follows_the_index_not_its_summary(mesh, ckpt_dir, summary):
-    # Before: a missing shares.json read as "shares nothing", and retention deleted step 0,
-    # whose bytes step 2 reads ("0/packed/0-of-1.bin ... is missing").
-    base = _saved(mesh, ckpt_dir, steps=3)
+def _unsummarised(ckpt_dir, summary):
+    """Step 2's shares.json (it reads step 0's bytes) "missing", or "emptied" (and its
+    manifest made to agree, "emptied, manifest agreeing")."""
     shares = ckpt_dir / "2" / "jaxckpt" / "shares.json"
     if summary == "missing":
         shares.unlink()
@@ -648,6 +631,14 @@ def test_retention_follows_the_index_not_its_summary(mesh, ckpt_dir, summary):
         shares.write_text(json.dumps({"steps": []}))
     if summary.endswith("agreeing"):
         _rewrite_manifest(ckpt_dir, 2)
+
+
+@pytest.mark.parametrize("summary", ["missing", "emptied", "emptied, manifest agreeing"])
+def test_retention_follows_the_index_not_its_summary(mesh, ckpt_dir, summary):
+    # Before: a missing shares.json read as "shares nothing", and retention deleted step 0,
+    # whose bytes step 2 reads ("0/packed/0-of-1.bin ... is missing").
+    base = _saved(mesh, ckpt_dir, steps=3)
+    _unsummarised(ckpt_dir, summary)
     new_base = {k: v + 1 for k, v in base.items()}  # step 3 shares nothing: step 2 alone needs 0
     with jaxckpt.CheckpointManager(
         ckpt_dir, incremental=True, retention=jaxckpt.RetentionPolicy(keep_last=2)
@@ -663,12 +654,7 @@ def test_retention_follows_the_index_not_its_summary(mesh, ckpt_dir, summary):
 @pytest.mark.parametrize("summary", ["missing", "emptied, manifest agreeing"])
 def test_rm_and_verify_follow_the_index_not_its_summary(mesh, ckpt_dir, summary):
     base = _saved(mesh, ckpt_dir, steps=3)
-    shares = ckpt_dir / "2" / "jaxckpt" / "shares.json"
-    if summary == "missing":
-        shares.unlink()
-    else:
-        shares.write_text(json.dumps({"steps": []}))
-        _rewrite_manifest(ckpt_dir, 2)
+    _unsummarised(ckpt_dir, summary)
     problems = " ".join({r.step: r for r in jaxckpt.verify(ckpt_dir)}[2].problems)
     want = "jaxckpt/shares.json is missing" if summary == "missing" else "refers to step(s) [0]"
     assert want in problems, problems

@@ -45,6 +45,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
     rows = []
     with open_checkpoint(checkpoint_dir) as ckpt, progress_bars("verify step {key}") as update:
         listing = ckpt.listing()
+        here = {*listing.committed, *listing.retired}  # (a step's shares must be among them)
         for step in sorted({*listing.folders, *listing.committed}):
             if step in listing.damaged:
                 rows.append(_status_row(step, f"damaged: {listing.damaged[step]}"))
@@ -71,7 +72,7 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             shares = [] if orbax else sorted(_shares(listing.folders[step], step, infos[0]))
             if shares:
                 status += f"; shares bytes with step(s) {', '.join(map(str, shares))}"
-            if absent := [s for s in shares if s not in {*listing.committed, *listing.retired}]:
+            if absent := [s for s in shares if s not in here]:
                 status = (
                     f"INCOMPLETE: shares bytes with step(s) {', '.join(map(str, absent))}, not "
                     "in this directory (copied without them?): copy them too, or export this "
