@@ -17,6 +17,7 @@ from jaxckpt._plan import RestorePlan as RestorePlan
 from jaxckpt._policy import RetentionPolicy as RetentionPolicy
 from jaxckpt._policy import SavePolicy as SavePolicy
 from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
+from jaxckpt._standalone import copy_step as copy_step
 from jaxckpt._targets import restore_or_init as restore_or_init
 from jaxckpt._targets import target_from_flax as target_from_flax
 from jaxckpt._targets import target_like as target_like
@@ -44,6 +45,7 @@ __all__ = [
     "SavePolicy",
     "StepDiff",
     "StepReport",
+    "copy_step",
     "diff",
     "errors",
     "export_orbax",

@@ -240,7 +240,7 @@ def verify_step(
     `stop`: once set, no file more is read (the report is then of no use).
     """
     try:
-        listed, read_checked = _manifest(step_dir)
+        listed, read_checked = read_manifest(step_dir)
     except FileNotFoundError:
         return StepReport(step, 0, 0, (f"{_layout.MANIFEST_PATH} is missing",))
     except (OSError, ValueError) as e:
@@ -302,7 +302,7 @@ def _raise_if_the_store_failed(step_dir: epath.Path, error: BaseException) -> No
         raise failed from error
 
 
-def _manifest(step_dir: epath.Path) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+def read_manifest(step_dir: epath.Path) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
     """The manifest's `files`, each entry checked (ValueError naming the first bad field),
     and those of them a read checks itself (`read_checked`)."""
     text = read_small(step_dir, _layout.MANIFEST_PATH)

@@ -216,9 +216,9 @@ class PackedStep:
             if real is None and owner is not None and not (self.directory / str(owner)).exists():
                 raise Incomplete(
                     f"it shares bytes with step {owner}, which is not in this directory (was "
-                    f"this step copied without it?): copy step {owner} beside it, or export "
-                    "this step from where it was saved (jaxckpt export --format orbax) for "
-                    "one that stands alone"
+                    f"this step copied without it?): copy step {owner} beside it, or copy "
+                    "this step from where it was saved with jaxckpt copy, which writes one "
+                    "that stands alone"
                 )
             if real is None:
                 raise Damaged(
@@ -290,6 +290,24 @@ class PackedStep:
                         self._check(p, out[p].data, where)
         return out
 
+    def read_stored(self, piece: Piece) -> bytes:
+        """A piece's bytes as its file stores them (a zstd frame as it is), checked against
+        its digest: what a copy of the step writes again (`jaxckpt._standalone`)."""
+        root, rel, where, size = self._file_of(piece)
+        with self._open(root, rel, size=size) as f:
+            f.seek(piece.offset)
+            data = f.read(piece.size)
+        if len(data) != piece.size:
+            raise Damaged(
+                f"{where} ends at byte {piece.offset + len(data)}, before the piece its "
+                f"index places up to byte {piece.offset + piece.size}"
+            )
+        raw = np.frombuffer(data, np.uint8)
+        if piece.stored is not None:
+            raw = _codec.decompressed(raw, piece.nbytes, _at(piece, where))
+        self._check(piece, raw.data, where)
+        return data
+
     def _file_of(self, piece: Piece) -> tuple[Any, str, str, int | None]:
         """Where a piece's bytes are: (root, path there, name to print, size as listed)."""
         if piece.owner is None:
@@ -331,8 +349,8 @@ class PackedStep:
             raise Incomplete(
                 f"it shares bytes with step {owner}, but the step {owner} in this directory "
                 "is another one (its index places other bytes there: another run's step, "
-                "copied in?): copy the step it was saved beside, or export this step from "
-                "where it was saved (jaxckpt export --format orbax)"
+                "copied in?): copy the step it was saved beside, or copy this step from "
+                "where it was saved with jaxckpt copy, which writes one that stands alone"
             ) from None
 
     def read_sharded(self, item: str, requests: Mapping[str, ReadRequest]) -> dict[str, Any]:

@@ -559,6 +559,7 @@ def test_every_main_call_shows_an_example_the_doctests_run():
         jaxckpt.restore_or_init,
         jaxckpt.export_safetensors,
         jaxckpt.export_orbax,
+        jaxckpt.copy_step,
         jaxckpt.save_safetensors,
         jaxckpt.load_safetensors,
     ]

@@ -9,6 +9,7 @@ frames (their stored sizes, hostile frames, a restart with the other codec) is t
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -371,7 +372,8 @@ def test_two_processes_each_write_only_their_changed_pieces(tmp_path, compressio
     # each process decides for the pieces it writes (the replicated leaf's by one of them),
     # with no collective, after a restart too; the last step restores onto another mesh, each process checking
     # the shards it holds
-    args = {"dir": str(tmp_path), "compression": compression}
+    run = tmp_path / "run"
+    args = {"dir": str(run), "compression": compression}
     results = run_job(incremental_job.save_three_then_restore, processes=2, devices=4, args=args)
     own = [r.report()["own_bytes"] for r in results]
     # step 0: the base's 6 MiB between them (zstd: ~7% less)
@@ -382,13 +384,24 @@ def test_two_processes_each_write_only_their_changed_pieces(tmp_path, compressio
     for later in (1, 2, 3):
         assert all(o[later] < 16_384 for o in own), own  # the adapter's 16 KiB, in halves
     for step in (2, 3):
-        shares = json.loads((tmp_path / str(step) / "jaxckpt" / "shares.json").read_text())
+        shares = json.loads((run / str(step) / "jaxckpt" / "shares.json").read_text())
         assert shares == {"steps": [0]}
+    # the step copied to stand alone: each process's shared pieces into a file of its own,
+    # each process's index and the merged one pointing there
+    out = tmp_path / "published"
+    assert jaxckpt.copy_step(run, out, step=3) == 3
+    shutil.rmtree(run)
+    assert sorted(os.listdir(out / "3" / "packed")) == [
+        "0-of-2.1.bin", "0-of-2.bin", "0-of-2.json", "1-of-2.1.bin", "1-of-2.bin",
+        "1-of-2.json", "commit_success.txt", "index.json",
+    ]  # fmt: skip
+    with jaxckpt.open(out) as ckpt:
+        restored = ckpt.read(3).state
+    _assert_bitwise(restored["base"], incremental_job.BASE)
+    assert np.asarray(restored["adapter"]).tobytes() == np.full((64, 64), 3, np.float32).tobytes()
 
 
 def test_the_orbax_export_of_a_step_sharing_bytes_stands_alone(mesh, ckpt_dir, tmp_path):
-    import shutil
-
     import orbax.checkpoint as ocp
 
     base = _saved(mesh, ckpt_dir)
@@ -548,8 +561,6 @@ def test_a_step_copied_without_the_step_it_shares_bytes_with_is_named_incomplete
 ):
     # Before: `ls` said "committed" (exit 0), and a restore called the step corrupt ("the
     # file ... is missing"), advising fallback=True; nothing was damaged
-    import shutil
-
     base = _saved(mesh, ckpt_dir)
     out = tmp_path / "published"
     out.mkdir()
@@ -577,8 +588,6 @@ def test_a_step_beside_another_runs_step_of_the_same_number_is_named_so_not_dama
 ):
     # Before: "the file is damaged" (CorruptCheckpointError): step 0 there is whole, just
     # not the step 2 was saved beside
-    import shutil
-
     base = _saved(mesh, ckpt_dir)
     other = tmp_path / "other-run"
     state = {"base": {k: v + 1.0 for k, v in base.items()}}  # another run's step 0: other bytes

@@ -9,10 +9,11 @@
     jaxckpt export DIR OUT [--names MAP.yaml]        Hugging Face safetensors
                    [--include RE] [--exclude RE]     (only some leaves)
     jaxckpt rm DIR STEP [--force]                    delete a step, as the directory's writer
+    jaxckpt copy DIR OUT [--step N]                  a step copied to stand alone (OUT/STEP)
 
 Everything reads metadata (and, for `verify`, `diff --values` and `export`, the data) on the
-host: JAX runs on CPU devices, never an accelerator; only `rm` writes (under the writer's
-lock). `--json` prints one JSON document, an error included. Progress bars go to stderr on
+host: JAX runs on CPU devices, never an accelerator; only `rm` writes in DIR (under the writer's
+lock), and `copy` into its OUT (under OUT's). `--json` prints one JSON document, an error included. Progress bars go to stderr on
 a terminal only (never with `-q/--quiet` or in logs). Bad input is one line on stderr,
 `jaxckpt: error: ...`, and exit status 2 for a usage error, 1 for any other: never a
 traceback. `diff` exits like diff(1): 0 the same, 1 different, 2 trouble. Names, paths and strings

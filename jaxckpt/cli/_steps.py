@@ -1,4 +1,4 @@
-"""The commands about steps: `ls`, `inspect`, `verify`, `rm`."""
+"""The commands about steps: `ls`, `inspect`, `verify`, `rm`, `copy`."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def ls(checkpoint_dir: str, check: bool, as_json: bool) -> None:
             if absent := [s for s in shares if s not in here]:
                 status = (
                     f"INCOMPLETE: shares bytes with step(s) {', '.join(map(str, absent))}, not "
-                    "in this directory (copied without them?): copy them too, or export this "
-                    "step from where it was saved"
+                    "in this directory (copied without them?): copy them too, or copy this "
+                    "step from where it was saved with jaxckpt copy (it then stands alone)"
                 )
             size, files = disk_usage(ckpt.folder(step))
             rows.append(
@@ -338,3 +338,28 @@ def rm(checkpoint_dir, step, force, as_json) -> None:
     rest = ", ".join(map(str, left)) or "none"
     done = "retired (its files stay: a kept step shares its bytes)" if retired else "deleted"
     say(f"{done} step {step} from {checkpoint_dir}; committed steps: {rest}")
+
+
+@main.command()
+@QUIET_OPTION
+@STORAGE_TIMEOUT_OPTION
+@DIR
+@click.argument("out_dir", metavar="OUT")
+@click.option("--step", type=click.IntRange(min=0), help="Step to copy (default: the latest).")
+@JSON_OPTION
+def copy(checkpoint_dir, out_dir, step, as_json) -> None:
+    """Copy a step into the checkpoint directory OUT (as OUT/STEP), standing alone.
+
+    An incremental step holds only what changed since the step before and reads the rest
+    from earlier steps' files: `cp -r DIR/STEP` copies part of it. This copy holds all of it,
+    each byte checked as it is copied; any step, local or gs:// or s3://, either way.
+    """
+    on_cpu()
+    from jaxckpt import copy_step
+
+    need_dir(checkpoint_dir)
+    copied = copy_step(checkpoint_dir, out_dir, step=step)
+    if as_json:
+        print_json({"step": copied, "out_dir": str(out_dir)})
+    else:
+        say(f"copied step {copied} to {out_dir}, standing alone")
