@@ -356,7 +356,9 @@ def test_the_quickstart_resumes_bitwise_after_a_preemption(tmp_path):
     assert guide[0].code == quickstart, "docs/guide.md's Quickstart differs from README.md's"
     assert QUICKSTART_PRINT in quickstart
 
-    straight = run_page(DOCS / "guide.md", tmp_path / "straight").stdout.splitlines()
+    # in a directory of the user's: the Quickstart saves under the working directory
+    straight = run_page(DOCS / "guide.md", tmp_path / "straight", cwd=tmp_path / "straight")
+    straight = straight.stdout.splitlines()
     steps = [line for line in straight if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [str(s) for s in range(1, 51)]
 
@@ -365,17 +367,18 @@ def test_the_quickstart_resumes_bitwise_after_a_preemption(tmp_path):
     preempted = "import os\nimport signal\n" + quickstart.replace(
         QUICKSTART_PRINT, QUICKSTART_PRINT + notice
     )
-    directory = tmp_path / "preempted"
     path = tmp_path / "sample_quickstart.py"
 
     def run(text):
-        path.write_text(PATHS.sub(lambda m: f"{m[1]}{directory}/{m[2]}/", text))
-        return run_python(str(path), env=CPU8).stdout.splitlines()
+        path.write_text(text)
+        return run_python(str(path), env=CPU8, cwd=tmp_path).stdout.splitlines()
 
     first, second = run(preempted), run(quickstart)
     assert first[-1] == f"preempted: saved step {PREEMPT_AT}", first[-3:]
     assert second[0] == f"resumed from step {PREEMPT_AT}", second[:3]
     assert first[:-1] + second[1:] == steps
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints" / "quickstart").glob("[0-9]*"))
+    assert saved == [30, 40, 50]  # keep_last=3
 
 
 # ------------------------------------------------------------------------------- Equinox
