@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from etils import epath
@@ -113,14 +113,16 @@ class CheckpointManager:
         stands in for a lock ([Object storage](object-storage.md)): a writer that stops renewing
         it for this long (dead or frozen) loses the directory to the next writer. At most a
         week: a longer term read from a lease is taken for garbage.
-      store: the class that does the persistent tier's storage work (jaxckpt's own by
-        default). A subclass is the seam to inject storage faults through (a failing save,
-        a frozen deletion: `reliability/faults.py`) or to count what is read and written.
-      local_store: the same, for the local tier.
 
     Every process of a multi-process job creates the manager and calls each method with the
     same arguments; each process writes only the shards it holds.
     """
+
+    # The classes that do each tier's storage work. A subclass of the manager that names
+    # its own is the seam faults are injected through (a failing save, a frozen deletion)
+    # and what is read and written counted: `reliability.faults.manager`.
+    _store_class: ClassVar[type[_orbax.OrbaxStore]] = _orbax.OrbaxStore
+    _local_store_class: ClassVar[type[_local.LocalStore]] = _local.LocalStore
 
     @naming_the_store  # its failures as StorageError: down, refusing us, no such bucket
     def __init__(
@@ -141,8 +143,6 @@ class CheckpointManager:
         read_only: bool = False,
         local: LocalTier | None = None,
         writer_lease_s: float = 60.0,
-        store: type[_orbax.OrbaxStore] = _orbax.OrbaxStore,
-        local_store: type[_local.LocalStore] = _local.LocalStore,
     ):
         if not isinstance(policy, SavePolicy):
             raise ConfigError(f"policy must be a jaxckpt.SavePolicy, got {policy!r}")
@@ -180,12 +180,6 @@ class CheckpointManager:
             )
         if local is not None and not isinstance(local, LocalTier):
             raise ConfigError(f"local must be a jaxckpt.LocalTier, got {local!r}")
-        for name, given, base in (
-            ("store", store, _orbax.OrbaxStore),
-            ("local_store", local_store, _local.LocalStore),
-        ):
-            if not (isinstance(given, type) and issubclass(given, base)):
-                raise ConfigError(f"{name} must be a subclass of {base.__name__}, got {given!r}")
         directory = absolute(directory)  # a relative path failed only at the next save
         self._read_only = read_only
         self._verify = verify_on_restore
@@ -198,7 +192,7 @@ class CheckpointManager:
         with contextlib.ExitStack() as undo:  # what was made, undone if a later part fails
             # Before Orbax starts, since it deletes unfinished saves' leftovers at start-up.
             self._take_lock(directory, writer_lease_s, timeout_s, undo)
-            self._store = store(
+            self._store = self._store_class(
                 directory,
                 timeout_s=timeout_s,
                 compression=compression,
@@ -211,7 +205,7 @@ class CheckpointManager:
             undo.callback(self._store.close)
             # its listener for copies, made by every process at once (agreed by all)
             with _agree.deadline("the opening of the manager", timeout_s):
-                self._local = local_store(local, read_only=read_only) if local else None
+                self._local = self._local_store_class(local, read_only=read_only) if local else None
             undo.pop_all()
         self._reader = Reader(
             self._store, verify=verify_on_restore, restore_inflight_bytes=restore_inflight_bytes

@@ -3,8 +3,9 @@
 Every corruption takes a checkpoint directory (a `pathlib.Path`, or an `epath.Path` on
 object storage: `REMOTE_CORRUPTIONS`), damages step 2 in one way, and returns a regex that
 `verify` and `restore` must report for it. `store` and `local_store` make the
-storage of a tier fail or freeze where a test says, through the manager's own seam (its
-`store=` and `local_store=` classes), never by patching jaxckpt's privates.
+storage of a tier fail or freeze where a test says, and `manager` opens a manager over
+them: the manager's own seam (a subclass naming the classes that do each tier's storage
+work), never a patch of jaxckpt's privates.
 """
 
 from __future__ import annotations
@@ -30,8 +31,23 @@ def stop_here() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
+def manager(
+    directory: Any, *, store: type | None = None, local_store: type | None = None, **options: Any
+) -> Any:
+    """A `jaxckpt.CheckpointManager(directory, **options)` whose persistent tier's storage
+    work `store` does, and its local tier's `local_store` (each: jaxckpt's own, or a
+    subclass of it: `store(...)`, `local_store(...)`, one that counts what it reads)."""
+    import jaxckpt
+
+    class Managed(jaxckpt.CheckpointManager):
+        _store_class = store or jaxckpt.CheckpointManager._store_class
+        _local_store_class = local_store or jaxckpt.CheckpointManager._local_store_class
+
+    return Managed(directory, **options)
+
+
 def store(**faults: Callable[..., Any]) -> type:
-    """A `CheckpointManager(store=...)` class: jaxckpt's persistent store, but each method
+    """A `manager(store=...)` class: jaxckpt's persistent store, but each method
     named (`save`, `wait`, `read_arrays`, `before_commit`, `remove`, ...) runs
     `fault(real, *args)` instead, `real` being the store's own method (to call, or not)."""
     from jaxckpt._orbax import OrbaxStore
@@ -40,7 +56,7 @@ def store(**faults: Callable[..., Any]) -> type:
 
 
 def local_store(**faults: Callable[..., Any]) -> type:
-    """A `CheckpointManager(local_store=...)` class: `store`'s, for the local tier
+    """A `manager(local_store=...)` class: `store`'s, for the local tier
     (`save`, `wait`, `write_part`, ...)."""
     from jaxckpt._local import LocalStore
 

@@ -273,7 +273,7 @@ def _child() -> None:
 
 def _store_child() -> None:
     """A writer of a store trial: saves steps 1 to STEP - 1, then stops the store's server
-    at WHERE (through the manager's `store=` seam) and prints what the call raised, and
+    at WHERE (through the manager's store seam, `faults.manager`) and prints what the call raised, and
     how soon; the server is resumed before it leaves."""
     url, server, where, last = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     import jax
@@ -298,7 +298,7 @@ def _store_child() -> None:
         return real(*args, **kwargs)
 
     store = faults.store(save=save_then_freeze, read_arrays=freeze_then_read)
-    m = jaxckpt.CheckpointManager(url, writer_lease_s=2, store=store)
+    m = faults.manager(url, writer_lease_s=2, store=store)
     for step in range(1, last):
         m.save(step, state={"x": expected(step)}, meta={"step": step})
     m.wait()

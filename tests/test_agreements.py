@@ -1,6 +1,6 @@
 """Every process makes every agreement of a call, decided once: real multi-process jobs whose
 processes meet the store at uneven times (random delays at every storage seam, injected
-through the manager's `store=` seam) save many steps under retention, and every kept step
+through the manager's store seam, `faults.manager`) save many steps under retention, and every kept step
 restores bitwise; processes that make different calls are told so at once."""
 
 import pytest

@@ -137,7 +137,7 @@ def test_a_save_failing_after_its_background_commit_started_says_whether_it_comm
             raise OSError("the barrier after the write started failed")
 
     x = np.arange(1024, dtype=np.float32)
-    with jaxckpt.CheckpointManager(tmp_path, store=faults.store(save=fail_at_step_2)) as m:
+    with faults.manager(tmp_path, store=faults.store(save=fail_at_step_2)) as m:
         m.save(1, state={"x": x + 1})
         with pytest.raises(jaxckpt.errors.SaveError) as failed:
             m.save(2, state={"x": x + 2})

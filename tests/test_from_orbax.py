@@ -664,7 +664,7 @@ def test_a_grain_state_for_another_process_count_is_refused_before_any_read(tmp_
     saved.rename(saved.with_name("process_0-of-2.json"))
     reads = []
     counted = faults.store(read_arrays=lambda read, *a: reads.append(a) or read(*a))
-    with jaxckpt.CheckpointManager(directory, read_only=True, store=counted) as m:
+    with faults.manager(directory, read_only=True, store=counted) as m:
         data = iter(orbax_written.dataset().to_iter_dataset())
         with pytest.raises(jaxckpt.errors.DataStateError, match=r"process_0-of-2\.json"):
             m.restore(state=target_on(mesh, P()), data=data)

@@ -417,7 +417,7 @@ def test_a_step_deleted_under_a_reader_is_restored_again_or_named(ckpt, mesh):
                 w.save(step, state=state_at(mesh, step))
         return read_arrays(info, item, requests)
 
-    reader = jaxckpt.CheckpointManager(
+    reader = faults.manager(
         ckpt, read_only=True, store=faults.store(read_arrays=writer_deletes_first)
     )
     restored = reader.restore(state=target(mesh))
@@ -438,7 +438,7 @@ def test_a_store_failing_under_a_read_is_no_damage_and_no_reason_to_pass_over(ck
             raise ConnectionResetError(104, "Connection reset by peer")
         return open_file(folder, rel, size)
 
-    reader = jaxckpt.CheckpointManager(
+    reader = faults.manager(
         ckpt, read_only=True, verify_on_restore=False, store=faults.store(open_file=failing)
     )
     for fallback in (False, True):
@@ -470,7 +470,7 @@ def test_ctrl_c_inside_wait_keeps_the_save_in_flight(ckpt, mesh):
             raise KeyboardInterrupt
         wait()
 
-    m = jaxckpt.CheckpointManager(
+    m = faults.manager(
         ckpt,
         retention=jaxckpt.RetentionPolicy(keep_last=2),
         store=faults.store(wait=ctrl_c_once),

@@ -146,7 +146,7 @@ def test_a_lock_deleted_during_a_save_stops_its_commit(ckpt, mesh):
         (ckpt / ".jaxckpt-writer.lock").unlink()
         before_commit(step_dir)
 
-    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=lock_gone_first))
+    a = faults.manager(ckpt, store=faults.store(before_commit=lock_gone_first))
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.SaveError, match="lost the writer lock") as caught:
         a.wait()
@@ -165,7 +165,7 @@ def test_a_save_whose_files_a_new_writer_removed_says_the_lock_was_lost(ckpt, me
         shutil.rmtree(step_dir)  # as the next writer's start-up removes leftovers
         before_commit(step_dir)
 
-    a = jaxckpt.CheckpointManager(ckpt, store=faults.store(before_commit=taken_over))
+    a = faults.manager(ckpt, store=faults.store(before_commit=taken_over))
     a.save(3, state=state_at(mesh, 3))
     with pytest.raises(errors.SaveError, match="LockedError: this job lost the writer lock"):
         a.wait()
@@ -181,7 +181,7 @@ def test_a_writer_that_lost_its_lock_after_a_commit_deletes_nothing(ckpt, mesh):
         committed()
         (ckpt / ".jaxckpt-writer.lock").unlink(missing_ok=True)
 
-    a = jaxckpt.CheckpointManager(
+    a = faults.manager(
         ckpt,
         retention=jaxckpt.RetentionPolicy(keep_last=1),
         store=faults.store(wait=then_lock_gone),
@@ -235,7 +235,7 @@ def test_a_save_committed_under_its_removal_is_whole_or_absent(ckpt):
                 tmp.rename(ckpt / "3")  # ... when the lock-less writer commits it
         return remove(path, *args)
 
-    jaxckpt.CheckpointManager(ckpt, store=faults.store(remove=commit_midway)).close()
+    faults.manager(ckpt, store=faults.store(remove=commit_midway)).close()
     assert len(met) == 1, met  # the leftover's removal, met once
     if (ckpt / "3").exists():
         assert sorted(p.relative_to(ckpt / "3") for p in (ckpt / "3").rglob("*")) == held

@@ -104,7 +104,7 @@ def test_slow_deletes_on_object_storage_never_block_a_save(bucket_dir):
 
     state = {"x": np.arange(1000, dtype=np.float32)}
     root = epath.Path(bucket_dir)
-    m = jaxckpt.CheckpointManager(
+    m = faults.manager(
         bucket_dir,
         retention=jaxckpt.RetentionPolicy(keep_last=1),
         store=faults.store(remove=slow_remove),
@@ -173,7 +173,7 @@ def test_a_writer_killed_mid_save_leaves_no_visible_step_on_object_storage(bucke
         return remove(path, *args)
 
     # The dead writer's lease (2 s) runs out, and the next writer takes it over.
-    with jaxckpt.CheckpointManager(bucket_dir, store=faults.store(remove=slow_remove)) as m:
+    with faults.manager(bucket_dir, store=faults.store(remove=slow_remove)) as m:
         assert f"took over the writer lease of host {socket.gethostname()} pid {proc.pid}" in (
             caplog.text
         )

@@ -310,7 +310,7 @@ def test_a_partial_read_of_far_apart_pieces_reads_little_more_than_asked(ckpt_di
 
     measured = faults.store(open_file=measured_open)
     wanted = {k: {"b": v["b"]} for k, v in state.items()}
-    with jaxckpt.CheckpointManager(ckpt_dir, read_only=True, store=measured) as m:
+    with faults.manager(ckpt_dir, read_only=True, store=measured) as m:
         got = m.restore(state=wanted, partial=True).state
     assert all(np.array_equal(got[k]["b"], np.ones(16)) for k in got)
     assert read == [16 * 8] * 8  # each "b" alone: 512 KiB apart, never one merged read

@@ -62,7 +62,7 @@ def saves_under_retention(job: Job) -> dict:
     mesh = mesh_of_all()
     store = delayed_store(a["seed"] * 1000 + job.process_id, a["delay_s"])
     retention = jaxckpt.RetentionPolicy(keep_last=a["keep_last"], keep_every=a.get("keep_every"))
-    with jaxckpt.CheckpointManager(
+    with faults.manager(
         a["dir"],
         retention=retention,
         incremental=a.get("incremental"),
@@ -169,7 +169,7 @@ def uneven_restore(job: Job) -> dict:
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in state.items()
     }
-    with jaxckpt.CheckpointManager(
+    with faults.manager(
         a["dir"],
         read_only=True,
         timeout_s=a["timeout_s"],

@@ -65,9 +65,7 @@ def main() -> None:
             if info.step == 2:  # its background now writes to a store that does not answer
                 freeze()
 
-        m = jaxckpt.CheckpointManager(
-            url, writer_lease_s=3, store=faults.store(save=save_then_freeze)
-        )
+        m = faults.manager(url, writer_lease_s=3, store=faults.store(save=save_then_freeze))
         m.save(1, state=_state(1))
         m.wait()
         m.save(2, state=_state(2))
@@ -81,7 +79,7 @@ def main() -> None:
             freeze()
             return real(*args, **kwargs)
 
-        reader = jaxckpt.CheckpointManager(
+        reader = faults.manager(
             url, read_only=True, store=faults.store(read_arrays=freeze_then_read)
         )
         _report("restore", lambda: reader.restore(step=1))

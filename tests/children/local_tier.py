@@ -107,7 +107,7 @@ def manager(job: Job) -> jaxckpt.CheckpointManager:
     if "copy_timeout_s" in job.args:
         options["copy_timeout_s"] = job.args["copy_timeout_s"]
     kill_in = job.args.get("kill_in_local_write")
-    return jaxckpt.CheckpointManager(
+    return faults.manager(
         job.args["persistent"],
         policy=jaxckpt.SavePolicy(every_steps=10),
         local=jaxckpt.LocalTier(local, every_steps=2, keep_last=2, **options),

@@ -171,7 +171,7 @@ def dies_during_step_2(job: Job) -> dict:
     mesh = mesh_of((4, 2))
     once_written = job.args["kill"] == "once_written"
     store = faults.store() if once_written else faults.store(before_commit=kill_then_commit)
-    m = jaxckpt.CheckpointManager(job.args["dir"], timeout_s=5, store=store)
+    m = faults.manager(job.args["dir"], timeout_s=5, store=store)
     m.save(1, state=make_state(mesh))
     m.wait()
     if once_written:

@@ -87,7 +87,7 @@ def restore_counted(job: Job) -> dict:
         opened.append(name)
         return real(folder, name, **kw)
 
-    with jaxckpt.CheckpointManager(directory, store=faults.store(open_file=opening)) as m:
+    with faults.manager(directory, store=faults.store(open_file=opening)) as m:
         m.restore(1, state=target)  # uncounted: what a first restore imports and compiles
         before = io_counts()["rchar"]
         opened.clear()
