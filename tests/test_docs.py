@@ -14,7 +14,12 @@ import dataclasses
 import importlib.util
 import inspect
 import io
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -617,6 +622,67 @@ def test_the_cli_reference_is_what_the_command_prints():
         proc = run_python("-m", "jaxckpt", *command, env=env)
         name = " ".join(["jaxckpt", *command[:-1]])
         assert proc.stdout.rstrip() == texts[name].rstrip()
+
+
+# ------------------------------------------------------------------------------- search
+
+# What users type, and the pages that answer it, which the site's search must list first (in
+# any order: the search splits `LocalTier` as it splits `local tier`). API names find the
+# reference, and the guide where the name is what it teaches; features their page; the FAQ
+# where one of its questions names it.
+SEARCHES = {
+    "CheckpointManager": ["api/"],
+    "restore": ["api/", "guide/", "faq/"],
+    "target_on_mesh": ["api/"],
+    "LocalTier": ["api/", "local-tier/"],
+    "local tier": ["api/", "local-tier/"],
+    "copy_step": ["api/"],
+    "jaxckpt copy": ["cli/", "api/", "faq/"],
+    "export_orbax": ["api/"],
+    "IncompleteStepError": ["api/", "errors/"],
+    "errors": ["api/", "errors/"],
+    "pip install": ["install/"],
+    "zstd": ["incremental/"],
+    "compression": ["incremental/"],
+    "incremental": ["incremental/"],
+    "another mesh": ["resharding/"],
+    "resharding": ["resharding/"],
+    "verify": ["api/", "cli/", "integrity/"],
+    "safetensors": ["api/", "hf/"],
+    "Hugging Face": ["api/", "hf/", "faq/"],
+    "preemption": ["api/", "preemption/"],
+    "object storage": ["object-storage/"],
+    "multi-host": ["multihost/"],
+    "Orbax": ["from-orbax/", "faq/"],
+    "deadline": ["deadlines/"],
+    "Equinox": ["equinox/"],
+}
+REPORT = re.compile(r"(BENCHMARKS|RELIABILITY|CHANGELOG|benchmarks/results/.*)/")
+SEEN = 5  # the results a reader sees first: a report page among them only after the others
+
+
+def test_search_lists_the_page_a_user_wants_first(tmp_path):
+    """The built site's search, run as the browser runs it (Material's own search worker,
+    under Node.js: tests/search_order.js), lists first for each query of SEARCHES the pages
+    that answer it, and among the first SEEN a report page (a table of timings, the
+    changelog) only after every other page."""
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)]
+    subprocess.run(build, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    order = [shutil.which("node") or "node", str(REPO / "tests" / "search_order.js"), str(site)]
+    found = json.loads(
+        subprocess.run(
+            [*order, *SEARCHES], check=True, capture_output=True, text=True, timeout=120
+        ).stdout
+    )
+    wrong = {}
+    for query, pages in SEARCHES.items():
+        seen = found[query][:SEEN]
+        reports_last = sorted(seen, key=lambda p: bool(REPORT.fullmatch(p))) == seen
+        if set(seen[: len(pages)]) != set(pages) or not reports_last:
+            wrong[query] = seen
+    assert not wrong, wrong
 
 
 # ------------------------------------------------------------------ the architecture page

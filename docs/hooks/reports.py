@@ -5,9 +5,7 @@ root (`make bench`, `python -m reliability.stress`, each change), and link to th
 beside them (`benchmarks/results/*.md`, `leaf_sweep.png`, `scale.png`). Each is added to the site at its
 path in the repository, so the docs link to them (`[BENCHMARKS.md](BENCHMARKS.md)` from a page
 at the docs' top level) and their own links resolve as they do on GitHub, checked by the
-strict build like every other link. Search ranks them below the guides and the reference
-(`REPORT_BOOST`): a search for `restore` should find how to restore before a table of
-restore timings.
+strict build like every other link. How search weighs them: `search_ranks.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ REPORTS = (
     "benchmarks/results/*.md",
 )
 
-REPORT_BOOST = 0.3  # Material's per-page search boost (1 for every other page)
+REPORT_BOOST = 0.1  # Material's per-page search boost (1 for every other page)
 
 
 def on_files(files: Files, config) -> Files:
@@ -38,9 +36,3 @@ def on_files(files: Files, config) -> Files:
             uri = path.relative_to(root).as_posix()
             files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
-
-
-def on_page_markdown(markdown: str, page, config, files) -> str:
-    if any(Path(page.file.src_uri).match(p) for p in REPORTS):
-        page.meta["search"] = {"boost": REPORT_BOOST}
-    return markdown
