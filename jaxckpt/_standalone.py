@@ -36,7 +36,7 @@ def copy_step(
     *,
     step: int | None = None,
 ) -> int:
-    """Copies a committed step into `out_dir/<step>/`, standing alone: returns the step.
+    """Writes a committed step into `out_dir/<step>/`, standing alone: returns the step.
 
     An incremental step (the default) holds only what changed since the step before; the
     rest it reads from earlier steps' files, so `cp -r ckpt/6 elsewhere/` copies only part
