@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from benchmarks.figures import foreground, save_light_and_dark
 from benchmarks.tables import write_page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,9 +235,10 @@ def floors(results: dict, leaves: list[int], n: int) -> dict:
 
 
 def plot(results: dict, leaves: list[int], mib: int, out: Path) -> None:
-    import matplotlib
+    save_light_and_dark(lambda: _figure(results, leaves, mib), out, dpi=110)
 
-    matplotlib.use("Agg")
+
+def _figure(results: dict, leaves: list[int], mib: int) -> Any:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -246,7 +248,7 @@ def plot(results: dict, leaves: list[int], mib: int, out: Path) -> None:
                 label = "JAX alone: host arrays placed" if name == "JAX alone" else name
                 ax.plot(leaves, [results[name][n][what] for n in leaves], marker="o", label=label)
         floor = [floors(results, leaves, n)[what] for n in leaves]
-        ax.plot(leaves, floor, color="black", linestyle=":", label=f"floor ({what})")
+        ax.plot(leaves, floor, color=foreground(), linestyle=":", label=f"floor ({what})")
         if what == "save":
             for name, label in BLOCKING.items():
                 blocked = [results[name][n]["block"] for n in leaves]
@@ -260,7 +262,7 @@ def plot(results: dict, leaves: list[int], mib: int, out: Path) -> None:
         ax.legend(fontsize=8)
     figure.suptitle(f"{mib} MiB of float32 in N leaves on 8 CPU devices")
     figure.tight_layout()
-    figure.savefig(out, dpi=110)
+    return figure
 
 
 def main() -> None:

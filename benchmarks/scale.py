@@ -22,6 +22,7 @@ model of how each count grows to 256 and 1,024 hosts) and `scale.png` beside BEN
 (the counts against N).
 
     python benchmarks/scale.py [--processes 1 2 4 8] [--mib 64]
+    python benchmarks/scale.py --replot     # the figure again, from the last run's JSON
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # (children.job)
+from benchmarks.figures import foreground, save_light_and_dark
 from benchmarks.scale_worker import DEVICES, measure
 from benchmarks.tables import table
 from reliability import gcs, s3
@@ -176,7 +179,15 @@ def main() -> None:
     # jaxckpt only: plain Orbax writes no s3:// (google/orbax#359)
     parser.add_argument("--s3-layouts", nargs="*", default=["replicated", "fsdp"])
     parser.add_argument("--local-layouts", nargs="*", default=["replicated", "fsdp"])
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw the figure from the last run's JSON"
+    )
     args = parser.parse_args()
+    if args.replot:
+        rows = json.loads((OUT / "scale.json").read_text())
+        keys = ("storage", "layout", "processes", "contender")
+        plot({tuple(r[k] for k in keys): r for r in rows}, PNG)
+        return
     jobs = [
         ("local", layout, contender) for layout in args.layouts for contender in args.contenders
     ]
@@ -508,9 +519,10 @@ def plot(results: dict, out: Path) -> None:
     """First row, per layout on local disk: restore reads (whole job) and the busiest
     writer (times N) against N. Second row (replicated): a process's collectives and
     barriers, the job's requests to gs:// and s3://, the local tier's bytes per process."""
-    import matplotlib
+    save_light_and_dark(lambda: _figure(results), out, dpi=90)
 
-    matplotlib.use("Agg")
+
+def _figure(results: dict) -> Any:
     import matplotlib.pyplot as plt
 
     def series(storage: str, layout: str, contender: str) -> list[tuple[int, dict]]:
@@ -542,8 +554,8 @@ def plot(results: dict, out: Path) -> None:
                 "s" + style,
                 label=f"{contender}: busiest writer x N",
             )
-        ax.axhline(1.1, color="grey", lw=0.8, ls=":")
-        ax.axhline(1.25, color="grey", lw=0.8, ls="-.")
+        ax.axhline(1.1, color=foreground(), lw=0.8, ls=":", label="1.1x the state")
+        ax.axhline(1.25, color=foreground(), lw=0.8, ls="-.", label="1.25x the state")
         ax.set_ylabel("multiple of the state's bytes")
         ax.set_title(f"{layout}: storage traffic")
     calls, requests, local = axes[1][:3]
@@ -564,9 +576,9 @@ def plot(results: dict, out: Path) -> None:
     for phase, marker in (("save", "s"), ("restore", "o")):
         counts = [sum(v[f"{phase}_requests"].values()) for _, v in got]
         requests.plot([n for n, _ in got], counts, marker + ":", label=f"jaxckpt, s3://: {phase}")
-    calls.set_title("replicated: a process's collectives + barriers + coordination calls")
-    calls.set_ylabel("calls (the busiest process)")
-    requests.set_title("replicated, gs:// (and s3://): the job's requests")
+    calls.set_title("replicated: a save's and a restore's calls between processes")
+    calls.set_ylabel("collectives + barriers + coordination calls")
+    requests.set_title("replicated, gs:// (and s3://): requests of the whole job")
     requests.set_ylabel("requests")
     for layout, style in (("replicated", "-"), ("fsdp", "--")):
         got = series("local", layout, "local")
@@ -582,10 +594,9 @@ def plot(results: dict, out: Path) -> None:
             ax.legend(fontsize=7)
         else:
             ax.set_visible(False)
-    fig.suptitle("Against the process count (targets: 1.1x reads, 1.25 writer x N)")
+    fig.suptitle("Against the number of processes: what a save and a restore read, write and ask")
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -624,6 +624,31 @@ def test_the_cli_reference_is_what_the_command_prints():
         assert proc.stdout.rstrip() == texts[name].rstrip()
 
 
+# -------------------------------------------------------------------------------- plots
+
+PLOT = re.compile(r"\[!\[[^\]]*\]\(([\w./-]+\.png)#only-(light|dark)\)\{ \.plot \}\]\(([\w./-]+)\)")
+
+
+def test_every_plot_has_a_dark_twin_and_opens_whole():
+    """A plot on a page is shown in the reader's scheme (the light figure on light pages,
+    its dark twin, which benchmarks/figures.py draws beside it, on dark ones), keeps a
+    legible size on a phone (class `plot`: docs/stylesheets/extra.css) and opens whole
+    when tapped (a link to itself)."""
+    images = 0
+    for page in pages():
+        text = page.read_text()
+        images += len(re.findall(r"!\[", text))
+        plots = PLOT.findall(text)
+        for src, scheme, href in plots:
+            assert src == href and (REPO / src).is_file(), (page.name, src, href)
+            assert src.endswith("-dark.png") == (scheme == "dark"), (page.name, src)
+        light = [src for src, scheme, _ in plots if scheme == "light"]
+        dark = [src for src, scheme, _ in plots if scheme == "dark"]
+        assert [s.replace(".png", "-dark.png") for s in light] == dark, page.name
+        assert len(re.findall(r"!\[", text)) == len(plots), f"{page.name}: an image not so shown"
+    assert images >= 4  # leaf_sweep.png and scale.png, each twice
+
+
 # ------------------------------------------------------------------------------- search
 
 # What users type, and the pages that answer it, which the site's search must list first (in

@@ -2,7 +2,7 @@
 
 BENCHMARKS.md, RELIABILITY.md and CHANGELOG.md are regenerated or edited at the repository's
 root (`make bench`, `python -m reliability.stress`, each change), and link to the result files
-beside them (`benchmarks/results/*.md`, `leaf_sweep.png`, `scale.png`). Each is added to the site at its
+beside them (`benchmarks/results/*.md`, `leaf_sweep.png`, `scale.png` and their dark twins). Each is added to the site at its
 path in the repository, so the docs link to them (`[BENCHMARKS.md](BENCHMARKS.md)` from a page
 at the docs' top level) and their own links resolve as they do on GitHub, checked by the
 strict build like every other link. How search weighs them: `search_ranks.py`.
@@ -19,7 +19,9 @@ REPORTS = (
     "RELIABILITY.md",
     "CHANGELOG.md",
     "leaf_sweep.png",
+    "leaf_sweep-dark.png",
     "scale.png",
+    "scale-dark.png",
     "benchmarks/results/*.md",
 )
 
