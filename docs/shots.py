@@ -5,8 +5,8 @@ before and after a change to the site (`make docs-shots`, outside `make test`).
     python docs/shots.py [--site site] [--out runs/docs-shots] [--chromium chromium]
 
 Serves the built site (`make docs` first; the make target does) on 127.0.0.1 at a free
-port and drives Chromium through Playwright: loads each page of PAGES at each width of
-WIDTHS and writes one PNG per page and width into --out, named `<page>-<width>.png`; then
+port and drives Chromium through Playwright: loads each page of PAGES at each width and
+colour scheme of WIDTHS and writes one PNG each into --out, named `<page>-<width>.png`; then
 types each query of SEARCHES into the search box and writes the pages it lists first to
 `search.md` (and the results for the first query as `search-desktop.png`). Prints the paths
 it wrote. Every wait is bounded (a page that never loads fails the script, naming it).
@@ -33,8 +33,14 @@ PAGES = {
     "api": "api/",
     "benchmarks": "benchmarks/",
 }
-# (name, width, height): a laptop's browser window, and a phone's (CSS pixels).
-WIDTHS = [("desktop", 1400, 2400), ("phone", 390, 2400)]
+# (name, width, height, colour scheme): a laptop's browser window, and a phone's (CSS
+# pixels), each light and dark (the site follows the reader's system).
+WIDTHS = [
+    ("desktop", 1400, 2400, "light"),
+    ("phone", 390, 2400, "light"),
+    ("desktop-dark", 1400, 2400, "dark"),
+    ("phone-dark", 390, 2400, "dark"),
+]
 # What users type, API names first: each should find the page that answers it first.
 SEARCHES = [
     "CheckpointManager",
@@ -95,8 +101,9 @@ def main() -> int:
                 executable_path=args.chromium,
                 args=["--no-sandbox"],  # as root, in a container
             )
-            for name, width, height in WIDTHS:
-                page = browser.new_page(viewport={"width": width, "height": height})
+            for name, width, height, scheme in WIDTHS:
+                viewport = {"width": width, "height": height}
+                page = browser.new_page(viewport=viewport, color_scheme=scheme)
                 page.set_default_timeout(TIMEOUT_MS)
                 for shot, path in PAGES.items():
                     page.goto(url + path, wait_until="networkidle")
