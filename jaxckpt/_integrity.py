@@ -10,7 +10,7 @@ Orbax itself rewrites them during the rename, after the manifest.
 
 A restore reads each byte once. The manifest lists the files whose every byte a read checks
 itself (`read_checked`): the arrays' data files (zarr3 chunks, each with a CRC-32C that
-tensorstore checks as it decodes the chunk, `_internals.own`) and the packed leaves'
+tensorstore checks as it decodes the chunk, `_internals.hold`) and the packed leaves'
 files (each piece with its XXH3-64 in the index, `jaxckpt._packed`). A restore hashes only
 the other, small files; a read that fails then has the whole step hashed, to name the file
 that does not match. `verify` hashes every file.

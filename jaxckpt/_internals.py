@@ -7,9 +7,11 @@ through their public API; the messages Orbax logs that jaxckpt demotes are
 
 In four parts: Orbax's manager and handlers as a save meets them; JAX's arrays (single-device
 buffers, batched placement, zero-copy placement on CPU); JAX's coordination service (key-value
-store, barriers, counts); and Orbax's functions wrapped process-wide, all by `install()`,
-once, which `jaxckpt._orbax.OrbaxStore` alone calls (each wrap changes only what happens
-below jaxckpt's own directories, or nothing a caller can see).
+store, barriers, counts); and Orbax's functions wrapped, all by `install()`, once, which
+`jaxckpt._orbax.OrbaxStore` alone calls. Each wrap changes only what happens below a
+directory jaxckpt has open (`hold`), and calls Orbax's own function as it is for every
+other: a user's own Orbax saves and restores in the same process (an eval checkpoint, a
+data iterator's) run as they run without jaxckpt.
 """
 
 from __future__ import annotations
@@ -326,7 +328,7 @@ def coordinator_route() -> str:
         return s.getsockname()[0]
 
 
-# --- Orbax's functions wrapped process-wide ----------------------------------------------
+# --- Orbax's functions wrapped, below jaxckpt's open directories only -------------------
 
 _installed = False
 
@@ -345,21 +347,44 @@ def install() -> None:
     _installed = True
 
 
-def own(directory: epath.Path) -> None:
-    """`directory` is one jaxckpt writes: arrays below it get per-chunk checksums, and a
-    save's failed folder creation below it wakes its writers."""
-    _OWN.add(str(directory).rstrip("/") + "/")
+def hold(directory: Any, *, written: bool) -> Callable[[], None]:
+    """`directory` is open in jaxckpt (a manager's, a reader's) until the returned function
+    is called: below it Orbax's kvstores on object storage are bounded and s3:// ones made
+    (`_object_kvstores`), and a shard is read into its device's own buffer on CPU
+    (`_aligned_reads`); if `written`, arrays written below it get per-chunk checksums
+    (`_checksums`) and a save's failed folder creation wakes its writers (`_wakes`)."""
+    key = str(directory).rstrip("/") + "/"
+    held = [_OPEN] + ([_WRITTEN] if written else [])
+    with _HELD_LOCK:
+        for counts in held:
+            counts[key] += 1
+
+    def release() -> None:
+        with _HELD_LOCK:
+            for counts in held:
+                counts[key] -= 1
+                if counts[key] <= 0:
+                    del counts[key]
+        held.clear()  # (once)
+
+    return release
 
 
-# jaxckpt's own persistent directories (`own`), below which Orbax writes arrays with a
-# CRC-32C on every chunk (`_checksums`: a restore then reads each byte once, tensorstore
-# checking every chunk it decodes, instead of hashing the files beside) and wakes a save's
-# writers when its folders cannot be made (`_wakes`).
-_OWN: set[str] = set()
+# The directories open in jaxckpt, and of those the ones it writes, each counted by the
+# stores that hold it (`hold`). Below a written one Orbax writes arrays with a CRC-32C on
+# every chunk (a restore then reads each byte once, tensorstore checking every chunk it
+# decodes, instead of hashing the files beside).
+_OPEN: Counter[str] = Counter()
+_WRITTEN: Counter[str] = Counter()
+_HELD_LOCK = threading.Lock()
+
+
+def _below(path: Any, held: Counter[str]) -> bool:
+    return (str(path).rstrip("/") + "/").startswith(tuple(held))
 
 
 def _is_own(path: Any) -> bool:
-    return (str(path).rstrip("/") + "/").startswith(tuple(_OWN))
+    return _below(path, _WRITTEN)
 
 
 CHUNK_CHECKSUM = {"name": "crc32c"}
@@ -479,9 +504,9 @@ def _wakes() -> None:
 
 
 def _object_kvstores() -> None:
-    """Orbax reads and writes gs:// and s3:// directories through tensorstore kvstores that
-    try a store that fails for a moment again, for a time (`_retries.with_store_context`), and
-    s3:// ones through tensorstore's s3 driver, from now on.
+    """Orbax reads and writes gs:// and s3:// directories jaxckpt has open through
+    tensorstore kvstores that try a store that fails for a moment again, for a time
+    (`_retries.with_store_context`), and s3:// ones through tensorstore's s3 driver.
 
     Orbax builds the kvstore spec of every folder it reads or writes in one function, which
     knows only gs:// and local paths (google/orbax#359): an s3:// path was refused as a
@@ -498,6 +523,8 @@ def _object_kvstores() -> None:
     @functools.wraps(build)
     def bounded(directory: Any, *args: Any, **kwargs: Any) -> Any:
         text = str(directory)
+        if not _below(text, _OPEN):
+            return build(directory, *args, **kwargs)
         if text.startswith("s3://"):
             spec = build(f"gs://{text.removeprefix('s3://')}", *args, **kwargs)
             return with_store_context(gcs_to_s3(spec))
@@ -514,7 +541,8 @@ def _aligned_reads() -> None:
     devices the wrap reads it into a `host_buffer` instead, which becomes the
     device's buffer: a restore reads each byte once into its final place. (On an
     accelerator the buffer is staging, copied onto the device: Orbax's own, reused from the
-    heap.) It reads as Orbax's does; a shard Orbax casts goes through Orbax's."""
+    heap.) It reads as Orbax's does; a shard Orbax casts, or one of a directory jaxckpt
+    does not have open, goes through Orbax's."""
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import serialization
 
@@ -530,7 +558,11 @@ def _aligned_reads() -> None:
         restricted_domain: Any,
     ) -> np.ndarray:
         stored = t.dtype.numpy_dtype
-        if jax.default_backend() != "cpu" or (dtype is not None and np.dtype(dtype) != stored):
+        if (
+            jax.default_backend() != "cpu"
+            or (dtype is not None and np.dtype(dtype) != stored)
+            or not _below(_store_url(t), _OPEN)
+        ):
             return await read_shard(
                 t,
                 new_shard_shape=new_shard_shape,
@@ -546,6 +578,24 @@ def _aligned_reads() -> None:
         return out
 
     serialization._read_shard = aligned
+
+
+_SCHEMES = {"file": "", "gcs": "gs://", "s3": "s3://"}  # tensorstore's drivers, as URLs
+
+
+def _store_url(t: Any) -> str:
+    """Where the tensorstore `t` reads: its kvstore's (an OCDBT one's, its base's) path or
+    URL, as jaxckpt names a directory (`/tmp/run/`, `gs://b/run/`); "" for another kind of
+    store. (Its spec, not its `url`: an s3 driver with an endpoint has none.)"""
+    kvstore = t.kvstore
+    while kvstore is not None and kvstore.base is not None:
+        kvstore = kvstore.base
+    spec = {} if kvstore is None else kvstore.spec().to_json()
+    scheme = _SCHEMES.get(spec.get("driver"))
+    if scheme is None:
+        return ""
+    bucket = f"{spec['bucket']}/" if "bucket" in spec else ""
+    return f"{scheme}{bucket}{spec.get('path', '')}"
 
 
 # --- end of Orbax's and JAX's internals -------------------------------------------------

@@ -141,7 +141,7 @@ class OrbaxStore:
         self._full_save_every = full_save_every
         self._sharing = _incremental.Sharing(self.info)  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
-        # zarr3, each chunk with a CRC-32C (`_internals.own`): a restore checks
+        # zarr3, each chunk with a CRC-32C (`_internals.hold`): a restore checks
         # every byte as tensorstore decodes it, reading each once.
         arrays = ocp.PyTreeCheckpointHandler(
             use_compression=compression == "zstd",
@@ -149,8 +149,6 @@ class OrbaxStore:
             type_handler_registry=_orbax_items.registry(),
         )
         _internals.install()  # Orbax's functions jaxckpt wraps, once in the process
-        if not read_only:
-            _internals.own(self.directory)
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
         self._arrays = ocp.PyTreeCheckpointHandler(
@@ -185,7 +183,7 @@ class OrbaxStore:
                 ),
                 # The step's folders are made in the background (Orbax's default: made in
                 # save() they doubled its blocking time), a failed creation waking every
-                # writer waiting for them (`_internals.own`).
+                # writer waiting for them (`_internals.hold`).
                 create_directories_asynchronously=True,
             ),
         )
@@ -207,6 +205,8 @@ class OrbaxStore:
         if not read_only and jax.process_index() == 0:
             # in the background from start-up (a reader never deletes anything)
             self._deleter.resume(listing)
+        # Orbax's functions jaxckpt wraps act below it while it is open (`_internals.hold`)
+        self._release = _internals.hold(self.directory, written=not read_only)
 
     def scan(self, *, newest: bool = False) -> _listing.Listing:
         """The directory as it is now (another process may have written or deleted);
@@ -603,6 +603,7 @@ class OrbaxStore:
         """Waits for the save in flight and the deletions under way (`Deleter.close`)."""
         self._mngr.close()
         self._deleter.close()
+        self._release()
 
     def remove(self, path: epath.Path, what: str = "a deleted step's files") -> bool:
         """Deletes a folder or object, in the deleter's thread (`Deleter.remove`; a seam of

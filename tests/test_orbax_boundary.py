@@ -159,21 +159,43 @@ def test_orbax_builds_every_kvstore_spec_in_the_function_jaxckpt_wraps_for_s3(s3
     assert "manifest.ocdbt" in {p.name for p in (epath.Path(directory) / "1" / "state").iterdir()}
     with jaxckpt.CheckpointManager(directory, read_only=True) as m:
         assert np.asarray(m.restore().state["w"]).tobytes() == w.tobytes()
-    for ocdbt in (True, False):
-        spec = json.dumps(tensorstore_utils.build_kvstore_tspec("s3://b/k", use_ocdbt=ocdbt))
-        assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
-            "Orbax no longer builds its kvstore specs in tensorstore_utils.build_kvstore_tspec "
-            f"(or their GCS driver changed): update _internals._object_kvstores. Got {spec}"
-        )
-    # Each store's driver tries a request again for the give-up time (_retries), not
-    # tensorstore's 32 times up to 32 s apart (issue 49), nor 3 times (issue 64).
-    wanted = json.dumps(_retries.tensorstore_retries(_store_time.give_up_s()))
-    for url, retries in (
-        ("s3://b/k", "s3_request_retries"),
-        ("gs://bucket/k", "gcs_request_retries"),
-    ):
-        spec = json.dumps(tensorstore_utils.build_kvstore_tspec(url, use_ocdbt=True))
-        assert f'"context": {{"{retries}": {wanted}' in spec, spec
+    build = tensorstore_utils.build_kvstore_tspec
+    releases = [_internals.hold(epath.Path(d), written=False) for d in ("s3://b", "gs://bucket")]
+    try:
+        for ocdbt in (True, False):
+            spec = json.dumps(build("s3://b/k", use_ocdbt=ocdbt))
+            assert '"driver": "s3"' in spec and "gcs" not in spec and "gs://" not in spec, (
+                "Orbax no longer builds its kvstore specs in tensorstore_utils."
+                "build_kvstore_tspec (or their GCS driver changed): update "
+                f"_internals._object_kvstores. Got {spec}"
+            )
+        # Each store's driver tries a request again for the give-up time (_retries), not
+        # tensorstore's 32 times up to 32 s apart (issue 49), nor 3 times (issue 64).
+        wanted = json.dumps(_retries.tensorstore_retries(_store_time.give_up_s()))
+        for url, retries in (
+            ("s3://b/k", "s3_request_retries"),
+            ("gs://bucket/k", "gcs_request_retries"),
+        ):
+            spec = json.dumps(build(url, use_ocdbt=True))
+            assert f'"context": {{"{retries}": {wanted}' in spec, spec
+
+        # below no directory jaxckpt has open: Orbax's own spec, as without jaxckpt (an
+        # s3:// path refused as Orbax refuses it)
+        def outcome(function, url):
+            try:
+                return function(url, use_ocdbt=True)
+            except ValueError as e:
+                return str(e)
+
+        for url in ("gs://another/k", "/tmp/another", "s3://b2/k"):
+            assert outcome(build, url) == outcome(build.__wrapped__, url), url
+        assert "should be absolute" in outcome(build, "s3://b2/k")
+    finally:
+        for release in releases:
+            release()
+    assert build("gs://bucket/k", use_ocdbt=True) == build.__wrapped__(
+        "gs://bucket/k", use_ocdbt=True
+    )
 
 
 def test_orbax_names_the_barrier_after_a_saves_writes_as_jaxckpt_hooks_it():
@@ -283,7 +305,7 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
     # (_internals.writers_held, through the wrap of atomicity._create_paths).
     directory = epath.Path(tmp_path / "ckpt")
     _internals.install()
-    _internals.own(directory)
+    release = _internals.hold(directory, written=True)
     m = ocp.CheckpointManager(directory)
     try:
         with _internals.writers_held() as hold:
@@ -299,9 +321,10 @@ def test_a_save_started_while_its_writers_are_held_makes_its_folders_once_releas
         assert np.array_equal(restored["w"], np.ones((256, 256), np.float32))
     finally:
         m.close()
+        release()
 
 
-def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_buffer():
+def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_buffer(tmp_path):
     # A restore on CPU devices reads each byte once into its final buffer: Orbax reads every
     # shard in serialization._read_shard, which jaxckpt's wrap (_internals._aligned_reads) reads
     # into a buffer JAX's CPU client takes as its own (else device_put copies it).
@@ -334,12 +357,19 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, coroutine).result()
 
+    def array(stored, folder):  # a zarr3 array in a folder, as Orbax's are
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(folder)}}
+        t = ts.open(spec, create=True, dtype=stored.dtype, shape=stored.shape).result()
+        t.write(stored).result()
+        return t
+
     # a small shard (an aligned block of the heap) and one of 2 MiB (pages of its own);
     # each read whole, and into a larger shard (stored smaller: the rest is zeros, as
-    # Orbax's own)
+    # Orbax's own), below a directory jaxckpt has open
+    release = _internals.hold(epath.Path(tmp_path / "open"), written=False)
     for rows, columns in ((6, 8), (6, 2**16 // 6 * 8)):
         stored = np.arange(rows * columns, dtype=np.float32).reshape(rows, columns)
-        t = ts.array(stored)
+        t = array(stored, tmp_path / "open" / f"{rows}x{columns}")
         for shape in ((rows, columns), (rows + 2, columns)):
             shard = read(t, shape)
             want = np.zeros(shape, np.float32)
@@ -352,5 +382,12 @@ def test_orbax_reads_each_shard_in_the_function_jaxckpt_wraps_into_a_zero_copy_b
             del placed
             assert np.array_equal(shard, want)  # the buffer outlives the device's array
     stored = np.arange(48, dtype=np.float32).reshape(6, 8)
-    got = read(ts.array(stored), (6, 8), dtype=np.float16)  # a cast: Orbax's own read
+    t = array(stored, tmp_path / "open" / "cast")
+    got = read(t, (6, 8), dtype=np.float16)  # a cast: Orbax's own read
     assert got.dtype == np.float16 and np.array_equal(got, stored.astype(np.float16))
+    release()
+    # below no directory jaxckpt has open: Orbax's own read (its own buffer: np.zeros's)
+    t = array(stored, tmp_path / "open" / "closed")
+    assert _internals._store_url(t) == f"{tmp_path}/open/closed/"
+    shard = read(t, (6, 8))
+    np.testing.assert_array_equal(shard, stored)
