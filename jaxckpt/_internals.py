@@ -591,7 +591,7 @@ def _store_url(t: Any) -> str:
     while kvstore is not None and kvstore.base is not None:
         kvstore = kvstore.base
     spec = {} if kvstore is None else kvstore.spec().to_json()
-    scheme = _SCHEMES.get(spec.get("driver"))
+    scheme = _SCHEMES.get(str(spec.get("driver")))
     if scheme is None:
         return ""
     bucket = f"{spec['bucket']}/" if "bucket" in spec else ""
