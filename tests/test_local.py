@@ -55,8 +55,10 @@ def _assert_bitwise(got, want):
 
 
 def _manager(tmp_path, stores=None, **local):
+    """A manager with a local tier; `stores`: the classes doing each tier's storage work
+    (`faults.manager`'s `store=` and `local_store=`)."""
     tier = jaxckpt.LocalTier(tmp_path / "local", **{"every_steps": 2, **local})
-    return jaxckpt.CheckpointManager(
+    return faults.manager(
         tmp_path / "persistent",
         policy=jaxckpt.SavePolicy(every_steps=10),
         local=tier,
