@@ -5,7 +5,7 @@ dies is checked in tests/test_multihost.py). Everything else talks to Orbax and 
 through their public API; the messages Orbax logs that jaxckpt demotes are
 `_orbax_log`'s, which matches them only.
 
-In four parts: Orbax's manager and handlers as a save meets them; JAX's arrays (single-device
+In four parts: Orbax's handlers and async save as a save meets them; JAX's arrays (single-device
 buffers, batched placement, zero-copy placement on CPU); JAX's coordination service (key-value
 store, barriers, counts); and Orbax's functions wrapped, all by `install()`, once, which
 `jaxckpt._orbax.OrbaxStore` alone calls. Each wrap changes only what happens below a
@@ -38,21 +38,6 @@ from jaxckpt._retries import with_store_context
 from jaxckpt._s3_endpoint import gcs_to_s3
 
 # --- Orbax's saves ---------------------------------------------------------------------
-
-
-def wait_for_background_commit(mngr: ocp.CheckpointManager) -> None:
-    """Waits for a step's commit that Orbax runs in the background. `wait_until_finished`
-    waits only for the manager's finalize thread, which its save starts last: when that save
-    failed after starting the commit (a barrier meeting a dead process), only the manager's
-    checkpointer knows of the commit still running."""
-    mngr._checkpointer.wait_until_finished()
-
-
-def forget_failed_save(mngr: ocp.CheckpointManager) -> None:
-    """Once a failed save's error is raised (jaxckpt raises it as SaveError), Orbax's manager
-    no longer raises it again from each later wait, `close` among them, until a new save:
-    its finalize thread, which has ended, is let go."""
-    mngr._finalize_thread.set(None)
 
 
 def array_metadata_store() -> Any:
@@ -302,8 +287,14 @@ class _CountingClient:
 
 def missing_processes(error: BaseException) -> list[int]:
     """The processes a multi-host barrier waited for in vain, as JAX's coordination service
-    names them: after the barrier timeout, or after a dead task's heartbeat timeout."""
-    text = str(error)
+    names them: after the barrier timeout, or after a dead task's heartbeat timeout (in
+    `error` or the errors it was raised from: Orbax raises its own TimeoutError from JAX's)."""
+    chain: list[BaseException] = []
+    found_error: BaseException | None = error
+    while found_error is not None and found_error not in chain:
+        chain.append(found_error)
+        found_error = found_error.__cause__ or found_error.__context__
+    text = " ".join(map(str, chain))
     found = re.search(r"timed out task names:\s*([\d\s,]+)", text)
     tasks = re.findall(r"\d+", found.group(1)) if found else []
     tasks += re.findall(r"Task (\d+) heartbeat timeout", text)

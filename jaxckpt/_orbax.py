@@ -1,10 +1,14 @@
-"""The Orbax adapter: the persistent tier through Orbax's manager (what it writes through
-which handler is `jaxckpt._orbax_items`'; Orbax's private names are `jaxckpt._internals`').
+"""The Orbax adapter: the persistent tier through Orbax's async checkpointer (what it writes
+through which handler is `jaxckpt._orbax_items`'; Orbax's private names are
+`jaxckpt._internals`').
 
 jaxckpt hands Orbax flat `{name: array}` dicts (see `jaxckpt._tree`) and small JSON documents;
-everything about handlers, restore args and Orbax's step folders stays in these modules, so
-the Orbax API (v0 `CheckpointManager` today) can be swapped without touching the rest. What a
-step is on disk is `jaxckpt._layout`'s.
+everything about handlers, restore args and Orbax's step folders stays in these modules.
+Orbax's `AsyncCheckpointer` (its public API and options: the handlers, `AsyncOptions`'
+barrier and post-finalization callback, `AtomicityOptions`) runs a save's background, its
+barriers and its rename; jaxckpt keeps the listing, retention and every decision (Orbax's
+`CheckpointManager`, which lists, retains and cleans up itself, is not used). What a step is
+on disk is `jaxckpt._layout`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -47,26 +51,6 @@ from jaxckpt.errors import (
 )
 
 log = logging.getLogger("jaxckpt")
-
-
-class _UnlistedSteps:
-    """Orbax's own step names (`<step>`), with a listing that finds no step: Orbax's manager
-    lists a directory through `find_all` (at start-up and each `reload`), reading every step's
-    `_CHECKPOINT_METADATA`, so that one unreadable file stopped the whole directory and
-    10,000 steps took seconds; jaxckpt lists it itself (`_listing.Listing`). Orbax's manager
-    then tracks only the steps it saved since its last `reload`."""
-
-    def __init__(self) -> None:
-        self._names = ocp.path.step.standard_name_format()
-
-    def build_name(self, step: int) -> str:
-        return self._names.build_name(step)
-
-    def find_step(self, base_path: epath.PathLike, step: int) -> Any:
-        return self._names.find_step(base_path, step)
-
-    def find_all(self, base_path: epath.PathLike) -> Iterator[Any]:
-        return iter(())
 
 
 # Orbax's bound on the whole background save (its own writes too), set out of reach: ten
@@ -141,13 +125,6 @@ class OrbaxStore:
         self._full_save_every = full_save_every
         self._sharing = _incremental.Sharing(self.info)  # which steps share bytes with which
         self._retired: tuple[int, ...] = ()  # as the last `scan` found them
-        # zarr3, each chunk with a CRC-32C (`_internals.hold`): a restore checks
-        # every byte as tensorstore decodes it, reading each once.
-        arrays = ocp.PyTreeCheckpointHandler(
-            use_compression=compression == "zstd",
-            use_zarr3=True,
-            type_handler_registry=_orbax_items.registry(),
-        )
         _internals.install()  # Orbax's functions jaxckpt wraps, once in the process
         # Read without Orbax's ArrayMetadata, which its restore reads whole (every process's
         # file, on every process) for PRNG key impls only, which jaxckpt's info records.
@@ -156,49 +133,9 @@ class OrbaxStore:
         )
         if read_only and not self.directory.exists():
             raise NoCheckpointError(f"{self.directory} does not exist; nothing to read there")
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=not read_only,
-            create=not read_only,
-            read_only=read_only,
-            step_name_format=_UnlistedSteps(),
-            # No rename on object storage: a step (and each item) is written in place and
-            # committed by a commit_success.txt written last (Orbax's own way on gs://).
-            atomicity_options=ocp.options.AtomicityOptions(
-                mode=ocp.options.AtomicityMode.COMMIT_FILE
-                if is_remote(self.directory)
-                else ocp.options.AtomicityMode.AUTO
-            ),
-            # jaxckpt removes unfinished saves' leftovers itself (below), in its deleter.
-            cleanup_tmp_directories=False,
-            async_options=ocp.AsyncOptions(
-                # Orbax bounds the whole background save by this, this process's own
-                # writes included: a large or slow save never committed. jaxckpt bounds
-                # only the waits for the others (each barrier: `_barrier_ms`).
-                timeout_secs=UNTIMED_S,
-                post_finalization_callback=None if read_only else self._finalized,
-                # In a job of several processes, each hashes the files it wrote before
-                # the barrier that precedes the commit (`_hash_own_files`).
-                barrier_sync_fn=_internals.barrier_after_writes(
-                    self._hash_own_files, self._barrier_ms, self._barrier_failed
-                ),
-                # The step's folders are made in the background (Orbax's default: made in
-                # save() they doubled its blocking time), a failed creation waking every
-                # writer waiting for them (`_internals.hold`).
-                create_directories_asynchronously=True,
-            ),
-        )
         self._packed_handler = _orbax_items.PackedHandler(compression if incremental else None)
-        self._mngr = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                _layout.STATE: arrays,
-                _layout.RNG: arrays,
-                _layout.DATA: _orbax_items.DataStateHandler(),
-                _layout.PACKED: self._packed_handler,
-                _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
-            },
-        )
+        # A reader saves nothing: no checkpointer, and no thread of Orbax's.
+        self._checkpointer = None if read_only else self._writer(compression)
         self._deleter = Deleter(self.directory, self.remove)
         # Down to the newest committed step only: opening costs the same at any step count.
         listing = self.scan(newest=True)
@@ -207,6 +144,57 @@ class OrbaxStore:
             self._deleter.resume(listing)
         # Orbax's functions jaxckpt wraps act below it while it is open (`_internals.hold`)
         self._release = _internals.hold(self.directory, written=not read_only)
+
+    def _writer(self, compression: str | None) -> ocp.AsyncCheckpointer:
+        """Orbax's async checkpointer of a step's items (steps 2 and 4 of the commit
+        protocol, `save`), through its public options alone."""
+        # zarr3, each chunk with a CRC-32C (`_internals.hold`): a restore checks every byte
+        # as tensorstore decodes it, reading each once.
+        arrays = ocp.PyTreeCheckpointHandler(
+            use_compression=compression == "zstd",
+            use_zarr3=True,
+            type_handler_registry=_orbax_items.registry(),
+        )
+        async_options = ocp.AsyncOptions(
+            # Orbax bounds the whole background save by this, this process's own writes
+            # included: a large or slow save never committed. jaxckpt bounds only the waits
+            # for the others (each barrier: `_barrier_ms`).
+            timeout_secs=UNTIMED_S,
+            post_finalization_callback=self._finalized,
+            # In a job of several processes, each hashes the files it wrote before the
+            # barrier that precedes the commit (`_hash_own_files`).
+            barrier_sync_fn=_internals.barrier_after_writes(
+                self._hash_own_files, self._barrier_ms, self._barrier_failed
+            ),
+            # The step's folders are made in the background (made in save() they doubled
+            # its blocking time), a failed creation waking every writer waiting for them
+            # (`_internals.hold`).
+            create_directories_asynchronously=True,
+        )
+        # No rename on object storage: a step (and each item) is written in place and
+        # committed by a commit_success.txt written last (Orbax's own way on gs://).
+        atomicity = ocp.options.AtomicityOptions(
+            mode=ocp.options.AtomicityMode.COMMIT_FILE
+            if is_remote(self.directory)
+            else ocp.options.AtomicityMode.AUTO
+        )
+        items = ocp.CompositeCheckpointHandler(
+            composite_options=ocp.CompositeOptions(
+                async_options=async_options, atomicity_options=atomicity
+            ),
+            **{
+                _layout.STATE: arrays,
+                _layout.RNG: arrays,
+                _layout.DATA: _orbax_items.DataStateHandler(),
+                _layout.PACKED: self._packed_handler,
+                _layout.META_DIR: ocp.JsonCheckpointHandler(filename=_layout.INFO_FILE),
+            },
+        )
+        if not is_remote(self.directory):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        return ocp.AsyncCheckpointer(
+            items, async_options=async_options, atomicity_options=atomicity
+        )
 
     def scan(self, *, newest: bool = False) -> _listing.Listing:
         """The directory as it is now (another process may have written or deleted);
@@ -385,8 +373,9 @@ class OrbaxStore:
             args[_layout.DATA] = _orbax_items.DataSave(data, data_about)
         self._saving, self._missed = step, False
         self._packed_handler.written = {}  # (a step without small leaves calls it not)
+        assert self._checkpointer is not None  # (a reader's save is refused before)
         with _internals.writers_held():  # the background starts once this returns
-            self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+            self._checkpointer.save(self.directory / str(step), args=ocp.args.Composite(**args))
 
     def _barrier_ms(self) -> int:
         """How long a process waits at each of Orbax's barriers for the others, in ms: once
@@ -474,12 +463,8 @@ class OrbaxStore:
 
     def wait(self) -> None:
         """Blocks until the in-flight save commits; raises its background error, once."""
-        try:
-            self._mngr.wait_until_finished()
-        except Exception:
-            _internals.forget_failed_save(self._mngr)
-            raise
-        _internals.wait_for_background_commit(self._mngr)
+        if self._checkpointer is not None:  # (its failure is raised once)
+            self._checkpointer.wait_until_finished()
         if (step := self._saving) is not None and step != self._noted:  # committed
             self.listed, self._noted = tuple(sorted({*self.listed, step})), step
             self._packed_handler.adopt()
@@ -565,7 +550,6 @@ class OrbaxStore:
                     self._deleter.free(step)
             if plan:  # (the same on every process: decided) out of every listing from here
                 _agree.barrier(f"{what}: the steps out of the listing")
-        self._mngr.reload()
         return plan
 
     def _deletions(self, choose: Callable[[list[int]], list[int]]) -> Deletions:
@@ -601,7 +585,8 @@ class OrbaxStore:
 
     def close(self) -> None:
         """Waits for the save in flight and the deletions under way (`Deleter.close`)."""
-        self._mngr.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self._deleter.close()
         self._release()
 

@@ -147,7 +147,8 @@ def dies_during_step_2(job: Job) -> dict:
     where every process confirms its part) or "while_committing" (process 0 kills it as it
     commits). The kill is armed before that save, never timed: a kill right after save()
     returned could come before or after the dead process's part was written, which commit
-    differently. Returns the survivor's report of its wait()."""
+    differently. Returns the survivor's report of its wait(), and where that raised
+    nothing (process 1 reached the commit's last barrier before it died), of its next save."""
     scratch = Path(job.args["scratch"])
     (scratch / f"pid{job.process_id}").write_text(str(os.getpid()))
 
@@ -188,6 +189,12 @@ def dies_during_step_2(job: Job) -> dict:
         except jaxckpt.errors.SaveError as e:
             report = {"error": str(e), "missing": e.missing_processes, "committed": e.committed}
     report["seconds"] = time.monotonic() - t0
+    if report["error"] is None:  # process 1 confirmed the commit before it died
+        try:  # the next agreement names it
+            m.save(3, state=make_state(mesh))
+            m.wait()
+        except (jaxckpt.errors.SaveError, jaxckpt.errors.ProcessesMissingError) as e:
+            report |= {"next_error": str(e), "missing": e.missing_processes}
     return report
 
 
