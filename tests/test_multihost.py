@@ -150,8 +150,9 @@ def test_a_process_dying_after_the_write_barrier_leaves_a_whole_step_and_says_so
         assert "saving step 2 failed in the background: " in report["error"]
         assert "Process(es) 1 never confirmed the commit" in report["error"]
         assert "it resumes from step 2" in report["error"]
-        assert "Step 2 committed all the same and is whole; committed steps: 1, 2." in (
-            report["error"]
+        assert (
+            "Step 2 committed all the same and is whole; committed steps: 1, 2."
+            in (report["error"])
         )
     else:
         assert "process(es) 1 did not reach the save of step 3" in report["next_error"].lower()
