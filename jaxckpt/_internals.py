@@ -330,7 +330,7 @@ def install() -> None:
     if _installed:
         return
 
-    _orbax_log.demote_noise()
+    _orbax_log.demote_noise(_names_open)
     _checksums()
     _wakes()
     _object_kvstores()
@@ -372,6 +372,11 @@ _HELD_LOCK = threading.Lock()
 
 def _below(path: Any, held: Counter[str]) -> bool:
     return (str(path).rstrip("/") + "/").startswith(tuple(held))
+
+
+def _names_open(text: str) -> bool:
+    """Whether `text` (a message of Orbax's) names a path below a directory jaxckpt has open."""
+    return any(directory in text for directory in list(_OPEN))
 
 
 def _is_own(path: Any) -> bool:

@@ -326,14 +326,20 @@ def test_rm_deletes_a_step_as_the_writer(ckpt, tmp_path, mesh):
 @pytest.mark.parametrize("log", ["default", "debug"])
 def test_orbax_warnings_and_thread_tracebacks_go_to_the_debug_log(tmp_path, log):
     """A read-only manager and a save failing in the background print jaxckpt's one
-    message: absl's warnings and Orbax's per-thread tracebacks only in the debug log."""
+    message: absl's warnings and Orbax's per-thread tracebacks only in the debug log. A
+    user's own plain Orbax save failing beside it is logged as without jaxckpt."""
     directory = tmp_path / "ckpt"
     try:
         proc = run_python("-m", "children.orbax_noise", str(directory), log)
     finally:
         if (directory / "2.orbax-checkpoint-tmp").exists():
             subprocess.run(["chattr", "-i", str(directory / "2.orbax-checkpoint-tmp")], timeout=30)
-    lines = proc.stderr.splitlines()
+        for left in tmp_path.glob("ckpt-plain/1.orbax-checkpoint-tmp*"):
+            subprocess.run(["chattr", "-i", str(left)], timeout=30)
+    everything = proc.stderr.splitlines()
+    plain = f"directory: {directory}-plain/1"
+    start = next(i for i, line in enumerate(everything) if plain in line)
+    lines, beside = everything[:start], everything[start:]
     caught = [line for line in lines if line.startswith("caught: saving step 2 failed")]
     assert len(caught) == 1 and "Step 2 was not committed" in caught[0], proc.stderr
     if log == "default":
@@ -342,3 +348,5 @@ def test_orbax_warnings_and_thread_tracebacks_go_to_the_debug_log(tmp_path, log)
         assert "DEBUG:absl:[process=0] Failed to run" in proc.stderr
         assert "Traceback" in proc.stderr
         assert not [line for line in lines if line.startswith(("WARNING:absl", "ERROR:absl"))]
+    assert beside[0].startswith("ERROR:absl:[process=0] Failed to run"), beside[:3]
+    assert "Traceback (most recent call last):" in beside and beside[-1].startswith("plain: ")

@@ -1,17 +1,21 @@
 """What makes Orbax log, for tests/test_cli_messages.py to read on stderr: a read-only
 manager, then a save whose commit fails in the background (its temporary folder made
-immutable once the arrays are written); prints "caught: <the SaveError>" to stderr.
-`debug` turns on the jaxckpt.orbax debug log.
+immutable once the arrays are written); prints "caught: <the SaveError>" to stderr. Then
+the same failure of a user's own plain Orbax save beside the open manager, which Orbax
+logs as it does without jaxckpt; prints "plain: <its error>". `debug` turns on the
+jaxckpt.orbax debug log.
 
     python -m children.orbax_noise DIRECTORY default|debug
 """
 
+import glob
 import logging
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 import jaxckpt
 from jaxckpt import _internals
@@ -43,6 +47,25 @@ def main() -> None:
         print(f"caught: {e}", file=sys.stderr)
     finally:
         subprocess.run(["chattr", "-i", tmp], check=False, timeout=30)
+
+    plain = f"{directory}-plain"
+
+    def plain_immutable():
+        for folder in glob.glob(f"{plain}/1.orbax-checkpoint-tmp*"):
+            subprocess.run(["chattr", "+i", folder], check=True, timeout=30)
+
+    try:
+        with (
+            _internals.on_writes_done(plain_immutable),
+            ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler()) as ckptr,
+        ):
+            ckptr.save(f"{plain}/1", args=ocp.args.StandardSave({"x": np.arange(8.0)}))
+            ckptr.wait_until_finished()
+    except Exception as e:
+        print(f"plain: {type(e).__name__}", file=sys.stderr)
+    finally:
+        for folder in glob.glob(f"{plain}/1.orbax-checkpoint-tmp*"):
+            subprocess.run(["chattr", "-i", folder], check=False, timeout=30)
     m.close()
 
 
