@@ -11,13 +11,18 @@ from conftest import run_python
 
 
 def test_plain_orbax_beside_jaxckpt_writes_and_reads_as_without_it(tmp_path, gcs_server, s3_server):
+    # in a folder of its own: plain Orbax takes an s3:// path for a relative local one
+    # and makes its temporary folders there (`s3:/...`) before it refuses it
+    work = tmp_path / "cwd"
+    work.mkdir()
     proc = run_python(
         "-m",
         "children.orbax_beside",
-        str(tmp_path),
+        str(tmp_path / "local"),
         f"{gcs_server.url}/beside-orbax",
         f"{s3_server.url}/beside-orbax",
         timeout=600,
+        cwd=work,
     )
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     before, beside = found["before"], found["beside"]
