@@ -17,6 +17,7 @@ from jaxckpt._plan import RestorePlan as RestorePlan
 from jaxckpt._policy import RetentionPolicy as RetentionPolicy
 from jaxckpt._policy import SavePolicy as SavePolicy
 from jaxckpt._preemption import PreemptionPolicy as PreemptionPolicy
+from jaxckpt._read_step import Restored as Restored
 from jaxckpt._standalone import copy_step as copy_step
 from jaxckpt._targets import restore_or_init as restore_or_init
 from jaxckpt._targets import target_from_flax as target_from_flax
@@ -24,7 +25,6 @@ from jaxckpt._targets import target_like as target_like
 from jaxckpt._targets import target_on_mesh as target_on_mesh
 from jaxckpt._to_orbax import export_orbax as export_orbax
 from jaxckpt._tree import leaf_name as leaf_name
-from jaxckpt._trees import Restored as Restored
 from jaxckpt.hf import ExportResult as ExportResult
 from jaxckpt.hf import NameMap as NameMap
 from jaxckpt.hf import export_safetensors as export_safetensors

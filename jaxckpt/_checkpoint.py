@@ -16,8 +16,8 @@ from etils import epath
 from jaxckpt import _agree, _reader
 from jaxckpt._integrity import StepReport
 from jaxckpt._plan import RestorePlan
+from jaxckpt._read_step import Restored, Wanted
 from jaxckpt._store_errors import naming_its_store
-from jaxckpt._trees import Restored, Wanted
 
 
 def open(

@@ -170,9 +170,9 @@ class Commits:
         3. Each process hashes the files it wrote (`_hash_own_files`, before Orbax's
            barrier after the writes). Once every item is written on every process
            (Orbax's post-finalization callback: the store's `before_commit`, then
-           `finish`), process 0 hashes the rest and writes the manifest of every file (`_integrity.write_manifest`: the
-           data files, whose chunks and pieces carry checksums of their own, listed as
-           checked by a read), then asks the lock again, of the server itself for a
+           `finish`), process 0 hashes the rest and writes the manifest of every file
+           (`_integrity.write_manifest`: the data files, whose chunks and pieces carry
+           checksums of their own, listed as checked by a read), then asks the lock again, of the server itself for a
            lease: a writer that lost it raises there and the step never commits.
         4. Orbax renames the folder to `<step>` (object storage: writes its
            `commit_success.txt`). The step is committed, and listed, from then on.

@@ -1,5 +1,6 @@
-"""Reading a jaxckpt step of the persistent tier: `JaxckptLayout`, the `_stores.Layout` of
-a step jaxckpt wrote (`_orbax_steps.OrbaxLayout` reads one plain Orbax wrote)."""
+"""Reading a jaxckpt step of the persistent tier: `JaxckptLayout`, the
+`_read_interfaces.Layout` of a step jaxckpt wrote (`_orbax_steps.OrbaxLayout` reads one
+plain Orbax wrote)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class StepFiles(Protocol):
 
 
 class JaxckptLayout:
-    """A jaxckpt step of the persistent tier (`_stores.Layout`): its Orbax arrays, read
+    """A jaxckpt step of the persistent tier (`_read_interfaces.Layout`): its Orbax arrays, read
     through Orbax's handler (each file it reads whole checked for size first), and its
     packed leaves (`_transfer.PackedLayout`, every process's index read once); each leaf
     read checked against jaxckpt.json. Made once a step by its store (`OrbaxStore.layout`)."""

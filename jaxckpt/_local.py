@@ -158,7 +158,7 @@ class Part:
 class LocalStore:
     """This process's local directory: local saves in a background thread of their own
     (never behind a persistent save), their listing, checks and reads. The local tier's
-    `_stores.Store`."""
+    `_read_interfaces.Store`."""
 
     shared = False  # each process reads its own part alone
 

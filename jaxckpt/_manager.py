@@ -41,12 +41,12 @@ from jaxckpt._memory import auto_inflight_bytes
 from jaxckpt._plan import RestorePlan
 from jaxckpt._policy import RetentionPolicy, SavePolicy
 from jaxckpt._preemption import Notices, PreemptionPolicy
+from jaxckpt._read_step import Restored, Wanted
 from jaxckpt._reader import Reader
 from jaxckpt._storage import absolute
 from jaxckpt._store_errors import naming_its_store, naming_the_store, reaching
 from jaxckpt._tiers import Tiers
 from jaxckpt._tree import flatten, node_types
-from jaxckpt._trees import Restored, Wanted
 from jaxckpt.errors import (
     ConfigError,
     LockedError,

@@ -38,8 +38,8 @@ from jaxckpt import (
 )
 from jaxckpt._deleter import Deleter
 from jaxckpt._lock import ObjectLease, WriterLock
+from jaxckpt._read_interfaces import Layout
 from jaxckpt._storage import absolute, open_inside, small_file_limit
-from jaxckpt._stores import Layout
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import (
     ConfigError,
@@ -73,7 +73,7 @@ class Deletions:
 
 
 class OrbaxStore:
-    """The persistent tier's `_stores.Store`: its steps listed and read (jaxckpt's through
+    """The persistent tier's `_read_interfaces.Store`: its steps listed and read (jaxckpt's through
     Orbax's handlers and jaxckpt's packed reader, plain Orbax's through Orbax), saved
     (`jaxckpt._commit`, the commit protocol) and deleted (each decided by process 0)."""
 

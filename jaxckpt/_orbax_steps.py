@@ -170,7 +170,7 @@ def _orbax_spec(path: tuple, meta: Any, impls: Mapping[str, str]) -> LeafSpec | 
 
 
 class OrbaxLayout:
-    """A step plain Orbax (or Flax) wrote (`_stores.Layout`): one of its pytree items
+    """A step plain Orbax (or Flax) wrote (`_read_interfaces.Layout`): one of its pytree items
     (`info.item`), read through Orbax alone, each leaf read checked against its metadata.
     An item saved before Orbax's metadata named each leaf is read whole (`whole`): Orbax
     reads every leaf of it on each restore."""

@@ -3,7 +3,7 @@
 `restore`, `jaxckpt.open`, `diff`, `verify`, both exports and every CLI command read
 through a `Reader`: it lists the steps, describes one, reads it onto a target (verified
 against its manifest), and verifies steps. A `CheckpointManager` reads through the `Reader`
-of its own store, and its local tier through `read_trees` on its local store (`_trees`: one
+of its own store, and its local tier through `read_trees` on its local store (`_read_step`: one
 step's trees, either tier). `jaxckpt.Checkpoint` (`_checkpoint`) is its public face.
 
 How a restore goes down through it, module by module, is the docs' architecture page
@@ -40,9 +40,9 @@ from jaxckpt._checks import check_step, gc_paused
 from jaxckpt._match import plan_restore, uniform_requests
 from jaxckpt._memory import auto_inflight_bytes
 from jaxckpt._plan import RestorePlan, plan_reads, read_batches
+from jaxckpt._read_step import Restored, Wanted, check_data, read_trees
 from jaxckpt._store_errors import naming_the_store, store_failed
 from jaxckpt._tree import ReadRequest
-from jaxckpt._trees import Restored, Wanted, check_data, read_trees
 from jaxckpt.errors import (
     CorruptCheckpointError,
     JaxckptError,

@@ -39,7 +39,7 @@ from jaxckpt import _packed_index, _packed_read, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._layout import StepInfo
 from jaxckpt._plan import holders
-from jaxckpt._stores import Store, read_batched
+from jaxckpt._read_interfaces import Store, read_batched
 from jaxckpt._transfer import place
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import RestoreError
@@ -56,7 +56,7 @@ def read_arrays(
     budget: int,
 ) -> dict[str, Any]:
     """The arrays `requests` names of one item of a step, read through `store` in batches
-    of at most `budget` bytes (`_stores.read_batched`), each byte read once in the job
+    of at most `budget` bytes (`_read_interfaces.read_batched`), each byte read once in the job
     where the store is shared by a job of several processes (every process calls it alike).
     The one place a restore's reads are cut into batches."""
     read = functools.partial(store.read_arrays, info, item)

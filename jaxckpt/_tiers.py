@@ -6,7 +6,8 @@ every process can restore the step from its own part, else the persistent direct
                                unless the persistent tier has a newer one
       _fetch_if_lost           a process lacking its part fetches it from a peer's copy
       _local_problem           each checks its part holds what the target needs; all agree
-      _trees.read_trees        then the step is read, each process from its own directory
+      read_trees               then the step is read, each process from its own directory
+                               (`_read_step`)
       Reader.read              or, if none serves, the persistent tier
 
 A `CheckpointManager` with no local tier reads through `Reader.read` alone.
@@ -23,8 +24,8 @@ import jax
 from jaxckpt import _agree, _iterators, _local, _transfer
 from jaxckpt._agree import refusing
 from jaxckpt._checks import check_step, gc_paused
+from jaxckpt._read_step import Restored, Wanted, items, plan_item, read_trees
 from jaxckpt._reader import Reader
-from jaxckpt._trees import Restored, Wanted, items, plan_item, read_trees
 
 log = logging.getLogger("jaxckpt")
 

@@ -12,8 +12,8 @@ from etils import epath
 
 from jaxckpt import _layout, _orbax_steps, _reader
 from jaxckpt._escape import escape
+from jaxckpt._read_step import Wanted
 from jaxckpt._storage import absolute, is_remote
-from jaxckpt._trees import Wanted
 from jaxckpt.errors import ConfigError, OutputExistsError, UnsupportedValueError
 
 log = logging.getLogger("jaxckpt")

@@ -73,11 +73,11 @@ def first_line(error: BaseException) -> str:
 
 
 class PackedLayout:
-    """The packed leaves of a step (`_stores.Layout`): a process's part of a local step, and
-    the packed half of a jaxckpt step of the persistent tier (`_jaxckpt_steps.JaxckptLayout`). A
-    file that is not what jaxckpt writes is a CorruptCheckpointError, another failure (of
-    the storage itself) a RestoreError, never "corrupt", which fallback=True would pass
-    over for an older step."""
+    """The packed leaves of a step (`_read_interfaces.Layout`): a process's part of a local
+    step, and the packed half of a jaxckpt step of the persistent tier
+    (`_jaxckpt_steps.JaxckptLayout`). A file that is not what jaxckpt writes is a
+    CorruptCheckpointError, another failure (of the storage itself) a RestoreError, never
+    "corrupt", which fallback=True would pass over for an older step."""
 
     whole = False
 

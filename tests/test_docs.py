@@ -721,7 +721,7 @@ CHAIN_MODULES = (
     "jaxckpt._orbax",
     "jaxckpt._orbax_steps",
     "jaxckpt._jaxckpt_steps",
-    "jaxckpt._stores",
+    "jaxckpt._read_interfaces",
     "jaxckpt._local",
     "jaxckpt._layout",
     "jaxckpt._transfer",

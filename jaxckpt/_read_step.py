@@ -17,7 +17,7 @@ from jaxckpt import _iterators, _layout, _spread
 from jaxckpt._agree import refusing
 from jaxckpt._match import nest, plan_restore, replicated_sharding, uniform_requests
 from jaxckpt._memory import returning_freed
-from jaxckpt._stores import Store
+from jaxckpt._read_interfaces import Store
 from jaxckpt._tree import ReadRequest
 from jaxckpt.errors import DataStateError, JaxckptError, TreeMismatchError
 
