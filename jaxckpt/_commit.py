@@ -76,7 +76,7 @@ class Commits:
         self._full_save_every = full_save_every
         self._listing = listing
         self._before_commit = before_commit
-        self.saving: int | None = None  # the step of the save in flight (or last made)
+        self._saving: int | None = None  # the step of the save in flight (or last made)
         self._committed: int | None = None  # the last step `wait` returned
         self._missed = False  # whether a barrier of the save in flight timed out
         self.packed = _orbax_items.PackedHandler(compression if incremental else None)
@@ -215,7 +215,7 @@ class Commits:
         args[_layout.META_DIR] = ocp.args.JsonSave(info.to_json())
         if data is not None:
             args[_layout.DATA] = _orbax_items.DataSave(data, data_about)
-        self.saving, self._missed = step, False
+        self._saving, self._missed = step, False
         self.packed.written = {}  # (a step without small leaves calls it not)
         with _internals.writers_held():  # the background starts once this returns
             self._checkpointer.save(self.directory / str(step), args=ocp.args.Composite(**args))
@@ -240,7 +240,7 @@ class Commits:
         # once the process's own files of the step are written (`_integrity.process_files`),
         # before the barrier that precedes the commit: each process hashes what it wrote,
         # and process 0 (`finish`) only the rest, so each reads about its share.
-        if (step := self.saving) is None:
+        if (step := self._saving) is None:
             return
         folder = self._saving_folder(step)
         written = self.packed.written
@@ -257,8 +257,8 @@ class Commits:
     def _finalized(self) -> None:
         # Orbax calls this in its background thread on process 0, once every process's
         # files are written and every item finalized, before it commits the step.
-        if self.saving is not None and jax.process_index() == 0:
-            self._before_commit(self._saving_folder(self.saving))
+        if self._saving is not None and jax.process_index() == 0:
+            self._before_commit(self._saving_folder(self._saving))
 
     def finish(self, folder: epath.Path) -> None:
         """Step 3 (`save`), on process 0: the merged packed index
@@ -267,13 +267,13 @@ class Commits:
         it never commits."""
         hashed: dict[str, Any] = dict(self.packed.written)
         indexes: list[Any] = []
-        if self.saving is not None and jax.process_count() > 1:
-            for found in _internals.take(self._digests_key(self.saving)):
+        if self._saving is not None and jax.process_count() > 1:
+            for found in _internals.take(self._digests_key(self._saving)):
                 hashed |= json.loads(found)
             if (folder / _layout.PACKED).is_dir():
                 indexes = _packed.merge(folder / _layout.PACKED, jax.process_count())
-        if self._incremental and self.saving is not None:
-            self._record_shares(folder, self.saving, indexes)
+        if self._incremental and self._saving is not None:
+            self._record_shares(folder, self._saving, indexes)
         _integrity.write_manifest(folder, read_checked=True, hashed=hashed)
         if self._lock is not None:
             self._lock.check(confirm=True)
@@ -305,7 +305,7 @@ class Commits:
         """Blocks until the save in flight commits; raises its background error, once.
         Returns the step it committed (None: none since the last call)."""
         self._checkpointer.wait_until_finished()
-        if (step := self.saving) is None or step == self._committed:
+        if (step := self._saving) is None or step == self._committed:
             return None
         self._committed = step
         self.packed.adopt()

@@ -25,8 +25,9 @@ damaged file is read by at most `full_save_every` steps: the one that wrote it a
 saved after it up to the next full save (each process counts its own chain: a save that
 happened to write every piece, as a pretraining run's do, starts a new one at no cost).
 
-Retention never deletes a step a kept step shares bytes with, as its index says (`Sharing`, `needs`: a step whose index cannot be read needs every
-earlier one): it retires it instead (`<step>.jaxckpt-retired` beside it: out of every
+Retention never deletes a step a kept step shares bytes with, as its index says
+(`Sharing`, `needs`: a step whose index cannot be read needs every earlier one): it
+retires it instead (`<step>.jaxckpt-retired` beside it: out of every
 listing, its files kept) and deletes it once no kept step shares its bytes.
 """
 

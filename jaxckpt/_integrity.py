@@ -66,7 +66,7 @@ def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
     (which could lead out of the directory) and special files (a FIFO blocks a reader)."""
     if is_remote(root):  # object storage: no links, no special files
         files = sorted(str(p.relative_to(root)) for p in files_below(root))
-        return [f for f in files if _hashed(f)], []
+        return [f for f in files if in_manifest(f)], []
     files, odd, stack = [], [], [""]
     while stack:
         folder = stack.pop()
@@ -81,10 +81,12 @@ def _listing(root: epath.Path) -> tuple[list[str], list[str]]:
                     files.append(rel)
                 else:
                     odd.append(f"{rel}: not a regular file (a FIFO, socket or device)")
-    return [f for f in files if _hashed(f)], odd
+    return [f for f in files if in_manifest(f)], odd
 
 
-def _hashed(rel: str) -> bool:
+def in_manifest(rel: str) -> bool:
+    """Whether a step's file `rel` is one its manifest lists (all but the manifest itself
+    and Orbax's two commit files, which Orbax rewrites as it commits)."""
     return rel not in _layout.ORBAX_COMMIT_FILES and rel != _layout.MANIFEST_PATH
 
 
@@ -251,7 +253,7 @@ def verify_step(
     # read to be hashed (a local file's is learnt as it is opened: `digest`)
     listed_sizes = sizes_below(step_dir) if is_remote(step_dir) else {}
     files, odd = (
-        ([f for f in sorted(listed_sizes) if _hashed(f)], [])
+        ([f for f in sorted(listed_sizes) if in_manifest(f)], [])
         if listed_sizes
         else _listing(step_dir)
     )

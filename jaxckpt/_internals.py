@@ -370,13 +370,20 @@ _WRITTEN: Counter[str] = Counter()
 _HELD_LOCK = threading.Lock()
 
 
-def _below(path: Any, held: Counter[str]) -> bool:
-    return (str(path).rstrip("/") + "/").startswith(tuple(held))
+def _held(counts: Counter[str]) -> tuple[str, ...]:
+    """The directories `counts` holds now (read under the lock: a store opens or closes in
+    another thread)."""
+    with _HELD_LOCK:
+        return tuple(counts)
+
+
+def _below(path: Any, counts: Counter[str]) -> bool:
+    return (str(path).rstrip("/") + "/").startswith(_held(counts))
 
 
 def _names_open(text: str) -> bool:
     """Whether `text` (a message of Orbax's) names a path below a directory jaxckpt has open."""
-    return any(directory in text for directory in list(_OPEN))
+    return any(directory in text for directory in _held(_OPEN))
 
 
 def _is_own(path: Any) -> bool:

@@ -23,7 +23,7 @@ _orbax_debug_log = logging.getLogger("jaxckpt.orbax")
 
 
 # Whether a message's text names a directory jaxckpt has open (`demote_noise`'s).
-_ours: Callable[[str], bool] = lambda text: False  # noqa: E731
+_ours: Callable[[str], bool] | None = None
 
 
 def demote_noise(ours: Callable[[str], bool]) -> None:
@@ -42,7 +42,7 @@ def _demote(record: logging.LogRecord) -> bool:
     instead of absl's; all else passes."""
     try:
         text = record.getMessage()
-        noise = bool(_ORBAX_NOISE.search(text)) and _ours(text)
+        noise = _ours is not None and bool(_ORBAX_NOISE.search(text)) and _ours(text)
     except Exception:  # a record whose arguments do not format: not ours to judge
         return True
     if not noise:

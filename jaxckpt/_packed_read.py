@@ -298,10 +298,7 @@ class PackedStep:
             f.seek(piece.offset)
             data = f.read(piece.size)
         if len(data) != piece.size:
-            raise Damaged(
-                f"{where} ends at byte {piece.offset + len(data)}, before the piece its "
-                f"index places up to byte {piece.offset + piece.size}"
-            )
+            raise _cut_short(where, piece.offset + len(data), piece.offset + piece.size)
         raw = np.frombuffer(data, np.uint8)
         if piece.stored is not None:
             raw = _codec.decompressed(raw, piece.nbytes, _at(piece, where))
@@ -441,10 +438,7 @@ class PackedStep:
             if piece.stored is not None:  # straight from the file into its place
                 _codec.decompress_into(_codec.Span(f, piece.stored), view.data, _at(piece, where))
             elif (got := f.readinto(view.data)) != piece.nbytes:
-                raise Damaged(
-                    f"{where} ends at byte {piece.offset + got}, before the piece its index "
-                    f"places up to byte {piece.offset + piece.nbytes}"
-                )
+                raise _cut_short(where, piece.offset + got, piece.offset + piece.nbytes)
         self._check(piece, view.data, where)
         if exact is None:
             _place(piece, blob, dtype, regions)
@@ -456,6 +450,13 @@ def _place(piece: Piece, blob: np.ndarray, dtype: np.dtype, regions: Mapping[Bou
     for bounds, region in regions.items():
         if (box := _intersection(piece.bounds, bounds)) is not None:
             region[within(box, bounds)] = values[within(box, piece.bounds)]
+
+
+def _cut_short(where: str, end: int, wanted: int) -> Damaged:
+    """A file that ends at byte `end`, before the piece its index places up to `wanted`."""
+    return Damaged(
+        f"{where} ends at byte {end}, before the piece its index places up to byte {wanted}"
+    )
 
 
 def _at(piece: Piece, where: str) -> str:

@@ -153,7 +153,7 @@ class _Copy:
             problems += [
                 f"{rel}: not in the manifest"
                 for rel in sorted(self.sizes.keys() - listed.keys())
-                if rel not in _layout.ORBAX_COMMIT_FILES and rel != _layout.MANIFEST_PATH
+                if _integrity.in_manifest(rel)
             ]
             if problems:
                 raise CorruptCheckpointError(self.step, problems, str(self.folder.parent))
